@@ -1,0 +1,17 @@
+"""replicator: write input_fn and step_fn for one device; run them on many."""
+
+from replicator import nn
+from replicator.context import InputContext, ReplicaContext
+from replicator.errors import ReplicaMismatchError, ReplicatorError, ReplicatorUsageError
+from replicator.replicator import Replicator
+
+__all__ = [
+    "Replicator",
+    "InputContext",
+    "ReplicaContext",
+    "ReplicatorError",
+    "ReplicaMismatchError",
+    "ReplicatorUsageError",
+    "nn",
+]
+__version__ = "0.1.0"

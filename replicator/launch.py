@@ -1,0 +1,89 @@
+"""`replicator launch`: start N replicas per node on torchrun's machinery."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+__all__ = ["LaunchSpec", "launch", "free_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on `host` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class LaunchSpec:
+    """What to start and where. `master` is HOST:PORT of node 0; None means this machine only."""
+
+    target: str
+    args: list[str]
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master: str | None = None
+    module: bool = False
+    threads_per_process: int | None = None
+
+    def validate(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ValueError(f"-n must be at least 1, got {self.nproc_per_node}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.master:
+            raise ValueError("a multi-node launch needs --master HOST:PORT (the address of node 0, same on every node)")
+        if self.master and (":" not in self.master or not self.master.rsplit(":", 1)[1].isdigit()):
+            raise ValueError(f"--master must look like HOST:PORT, got {self.master!r}")
+        if not self.module and not os.path.exists(self.target):
+            raise FileNotFoundError(f"no such script: {self.target}")
+
+
+def _environment(spec: LaunchSpec) -> dict[str, str]:
+    """Variables every replica inherits: threads that share the cores, Gloo on loopback locally."""
+    threads = spec.threads_per_process or max(1, (os.cpu_count() or 1) // spec.nproc_per_node)
+    env = {"OMP_NUM_THREADS": str(threads), "REPLICATOR_THREADS": str(threads)}
+    if spec.nnodes == 1:
+        # Nothing leaves the machine: Gloo's sockets live on the loopback interface.
+        env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+def torchrun_arguments(spec: LaunchSpec) -> list[str]:
+    if spec.master:
+        host, port = spec.master.rsplit(":", 1)
+    else:
+        host, port = "127.0.0.1", str(free_port())
+    arguments = [
+        "--nproc-per-node", str(spec.nproc_per_node),
+        "--nnodes", str(spec.nnodes),
+        "--node-rank", str(spec.node_rank),
+        "--master-addr", host,
+        "--master-port", port,
+        "--rdzv-backend", "static",
+    ]
+    if spec.module:
+        arguments.append("-m")
+    return [*arguments, spec.target, *spec.args]
+
+
+def launch(spec: LaunchSpec) -> int:
+    """Run the job; returns the exit code (0 when every replica succeeded)."""
+    spec.validate()
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    for key, value in _environment(spec).items():
+        os.environ.setdefault(key, value)
+    try:
+        run(parse_args(torchrun_arguments(spec)))
+    except ChildFailedError as failure:
+        lines = [f"replicator: {len(failure.failures)} replica process(es) failed:"]
+        for rank, info in sorted(failure.failures.items()):
+            lines.append(f"  rank {rank}: exit code {info.exitcode}")
+        print("\n".join(lines), flush=True)
+        return 1
+    return 0

@@ -1,0 +1,115 @@
+"""Cross-replica batch norm: statistics over the global batch, as one big batch would give."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from replicator import collectives
+from replicator.context import active_context
+
+__all__ = ["CrossReplicaBatchNorm", "CrossReplicaBatchNorm1d", "CrossReplicaBatchNorm2d", "convert_batchnorm"]
+
+
+class CrossReplicaBatchNorm(_BatchNorm):
+    """BatchNorm whose mean and variance are those of the whole global batch.
+
+    Each replica computes its count, mean and sum of squared deviations; one differentiable
+    all-gather shares them and Chan's parallel formula combines them (stable where
+    E[x²]−E[x]² is not). With one replica, or in eval mode, it is ordinary batch norm.
+    The group is the replicas of the Replicator built last, unless `group` is given.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, group: dist.ProcessGroup | None = None,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.group = group
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (batch, channels, ...), got {input.dim()}D")
+
+    def _replica_group(self) -> dist.ProcessGroup | None:
+        if self.group is not None:
+            return self.group
+        context = active_context()
+        return None if context is None else context.group
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        group = self._replica_group()
+        use_batch_stats = self.training or not self.track_running_stats
+        if not use_batch_stats or collectives.group_size(group) == 1:
+            return super().forward(input)
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        momentum = self.momentum
+        if momentum is None:  # cumulative moving average
+            momentum = 1.0 / float(self.num_batches_tracked)
+
+        channels = input.shape[1]
+        reduce_dims = [0, *range(2, input.dim())]
+        count = input.numel() // channels
+        local_mean = input.mean(dim=reduce_dims)
+        centred = input - local_mean.view(1, channels, *[1] * (input.dim() - 2))
+        local_m2 = (centred * centred).sum(dim=reduce_dims)
+        counts = torch.full((1, 1), float(count), dtype=input.dtype, device=input.device)
+        stats = torch.cat([counts, local_mean.unsqueeze(0), local_m2.unsqueeze(0)], dim=1)
+        gathered = collectives.all_gather(stats, group)  # (replicas, 1 + 2C)
+        counts_r, means_r, m2_r = gathered[:, :1], gathered[:, 1 : 1 + channels], gathered[:, 1 + channels :]
+        total = counts_r.sum()
+        mean = (counts_r * means_r).sum(dim=0) / total
+        m2 = (m2_r + counts_r * (means_r - mean) ** 2).sum(dim=0)
+        var = m2 / total
+
+        if self.training and self.track_running_stats:
+            with torch.no_grad():
+                unbiased = m2 / (total - 1).clamp_min(1)
+                self.running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
+                self.running_var.mul_(1 - momentum).add_(unbiased.detach(), alpha=momentum)
+        shape = (1, channels, *[1] * (input.dim() - 2))
+        output = (input - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        if self.affine:
+            output = output * self.weight.view(shape) + self.bias.view(shape)
+        return output
+
+
+class CrossReplicaBatchNorm1d(CrossReplicaBatchNorm):
+    """For (N, C) or (N, C, L) inputs."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() not in (2, 3):
+            raise ValueError(f"expected 2D or 3D input, got {input.dim()}D")
+
+
+class CrossReplicaBatchNorm2d(CrossReplicaBatchNorm):
+    """For (N, C, H, W) inputs."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() != 4:
+            raise ValueError(f"expected 4D input, got {input.dim()}D")
+
+
+_REPLACEMENT = {
+    torch.nn.BatchNorm1d: CrossReplicaBatchNorm1d,
+    torch.nn.BatchNorm2d: CrossReplicaBatchNorm2d,
+    torch.nn.BatchNorm3d: CrossReplicaBatchNorm,
+}
+
+
+def convert_batchnorm(module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> torch.nn.Module:
+    """Replace every BatchNorm1d/2d/3d in `module` by its cross-replica twin, keeping its state."""
+    replacement = _REPLACEMENT.get(type(module))
+    if replacement is not None:
+        converted = replacement(module.num_features, module.eps, module.momentum, module.affine,
+                                module.track_running_stats, group=group)
+        converted.load_state_dict(module.state_dict())
+        converted.train(module.training)
+        converted.to(next(iter(module.state_dict().values())).device if module.state_dict() else "cpu")
+        return converted
+    for name, child in module.named_children():
+        setattr(module, name, convert_batchnorm(child, group))
+    return module

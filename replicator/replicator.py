@@ -1,0 +1,489 @@
+"""The Replicator: the one object a researcher's single-device code talks to."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import time
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.nn.modules import module as module_hooks
+
+from replicator.agreement import Agreement
+from replicator.context import InputContext, ReplicaContext, set_active_context
+from replicator.errors import ReplicaMismatchError, ReplicatorUsageError
+from replicator.inputs import ReplicatedInput, batch_size_of
+from replicator.sync.reducers import Reducer, make_reducer
+from replicator.sync.synchronizer import GradientSynchronizer
+from replicator.telemetry import Progress, StepTimes, breakdown_table
+from replicator.topology import DEFAULT_TIMEOUT_S, build_process_groups, discover
+
+__all__ = ["Replicator"]
+
+
+@dataclass(eq=False)
+class _WrappedOptimizer:
+    optimizer: torch.optim.Optimizer
+    synchronizer: GradientSynchronizer
+    calls: int = 0  # optimizer.step() calls, micro-steps included
+    stepped: bool = False  # did the last step() update the parameters?
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+
+
+class Replicator:
+    """Runs single-device `input_fn`/`step_fn` code on every replica of the job.
+
+    Args:
+        reducer: how gradient buckets are summed across replicas ("flat", or an object
+            with a `reduce(buffer, group)` method).
+        bucket_cap_mb: gradient bucket size; larger buckets mean fewer, bigger messages.
+        timeout_s: a collective that waits longer than this raises instead of hanging
+            (default 300 s, or REPLICATOR_TIMEOUT).
+        debug: also fingerprint every gradient bucket (default: REPLICATOR_DEBUG=1).
+    """
+
+    def __init__(
+        self,
+        *,
+        reducer: str | Reducer = "flat",
+        bucket_cap_mb: float = 25.0,
+        timeout_s: float | None = None,
+        debug: bool | None = None,
+    ) -> None:
+        self.topology = discover()
+        threads = os.environ.get("REPLICATOR_THREADS")
+        if threads:
+            torch.set_num_threads(int(threads))
+        timeout_s = float(os.environ.get("REPLICATOR_TIMEOUT", DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
+        self._created_process_group = self.topology.distributed and not dist.is_initialized()
+        self.groups = build_process_groups(self.topology, stages=1, timeout_s=timeout_s)
+        if self._created_process_group:
+            atexit.register(self.close)
+        self.debug = _env_flag("REPLICATOR_DEBUG") if debug is None else debug
+        self.reducer = make_reducer(reducer)
+        self.bucket_cap_bytes = int(bucket_cap_mb * (1 << 20))
+        self.num_replicas = len(self.groups.replica_ranks)
+        self.replica_id = self.groups.replica_ranks.index(self.topology.rank)
+        self.device = self.topology.device
+        self.agreement = Agreement(self.groups.control)
+        self.context = ReplicaContext(self.replica_id, self.num_replicas, self.groups.replica, self.agreement)
+        set_active_context(self.context)
+        self._times = StepTimes()
+        self.context.on_wait = lambda seconds: self._times.add_communication(seconds)
+        self._wrapped: list[_WrappedOptimizer] = []
+        self._owner: dict[int, _WrappedOptimizer] = {}
+        self._names: dict[int, str] = {}
+        self._scope: _Scope | None = None
+        self._accumulation = 1
+        self._no_sync_depth = 0
+        self.last_run: dict[str, Any] = {}
+
+    # -- identity ----------------------------------------------------------------------
+    @property
+    def is_main(self) -> bool:
+        """True on the one process that should log, print and save (global rank 0)."""
+        return self.topology.rank == 0
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on the main process only."""
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    # -- model set-up ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["Replicator"]:
+        """Build the model and optimizers inside this block.
+
+        Modules created here are placed on this replica's device and, when the block
+        ends, every replica's parameters and buffers are overwritten with replica 0's, so
+        all replicas start identical however they were seeded.
+        """
+        if self._scope is not None:
+            raise ReplicatorUsageError("repl.scope() is already open; scopes do not nest")
+        scope = _Scope()
+        self._scope = scope
+        handles = [
+            module_hooks.register_module_parameter_registration_hook(scope.saw_tensor),
+            module_hooks.register_module_buffer_registration_hook(scope.saw_tensor),
+            module_hooks.register_module_module_registration_hook(scope.saw_child),
+        ]
+        placement = torch.device(self.device) if self.device.type != "cpu" else contextlib.nullcontext()
+        try:
+            with placement:
+                yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._scope = None
+        self._finish_scope(scope)
+
+    def _finish_scope(self, scope: _Scope) -> None:
+        roots = scope.roots()
+        for root in roots:
+            root.to(self.device)
+        self._names.update(scope.names())
+        tensors: dict[int, torch.Tensor] = {}
+        for root in roots:
+            for tensor in [*root.parameters(), *root.buffers()]:
+                tensors[id(tensor)] = tensor
+        for wrapped in self._wrapped:
+            for group in wrapped.optimizer.param_groups:
+                for param in group["params"]:
+                    tensors.setdefault(id(param), param)
+        self._check_devices(tensors.values(), where="at the end of repl.scope()")
+        if self.num_replicas > 1:
+            _broadcast_from_first(list(tensors.values()), self.groups.replica, self.groups.replica_ranks[0])
+
+    def _check_devices(self, tensors: Iterable[torch.Tensor], where: str) -> None:
+        for tensor in tensors:
+            if tensor.device != self.device:
+                name = self._names.get(id(tensor)) or (self._scope.names().get(id(tensor)) if self._scope else None)
+                raise ReplicatorUsageError(
+                    f"{name or 'a parameter of shape ' + str(tuple(tensor.shape))} is on {tensor.device} but replica "
+                    f"{self.replica_id} runs on {self.device} ({where}); create the model inside repl.scope() "
+                    f"or move it with model.to(repl.device) before wrapping its optimizer"
+                )
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Make `optimizer.step()` average gradients across replicas before it updates.
+
+        Returns the same optimizer object (so LR schedulers and state_dict work as usual);
+        its reductions start during backward, bucket by bucket.
+        """
+        if self._scope is None:
+            raise ReplicatorUsageError(
+                f"wrap_optimizer() was called outside repl.scope() (replica {self.replica_id}); create the model "
+                "and wrap its optimizer inside `with repl.scope():` so that every replica starts identical"
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"wrap_optimizer() takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if any(w.optimizer is optimizer for w in self._wrapped):
+            raise ReplicatorUsageError("this optimizer is already wrapped; wrap each optimizer once")
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        names = {**self._scope.names(), **self._names}
+        self._names.update(names)
+        self._check_devices(params, where="in wrap_optimizer()")
+        for param in params:
+            if id(param) in self._owner:
+                raise ReplicatorUsageError(
+                    f"parameter {names.get(id(param), tuple(param.shape))} belongs to two wrapped optimizers; "
+                    "give each parameter to one optimizer (or use parameter groups)"
+                )
+        label = f"optimizer {len(self._wrapped)} ({type(optimizer).__name__})"
+        wrapped = _WrappedOptimizer(optimizer, None)  # type: ignore[arg-type]
+        wrapped.synchronizer = GradientSynchronizer(
+            params, self.groups.replica, self.agreement, self.reducer, self.bucket_cap_bytes, self._names, label,
+            should_sync=lambda: self._no_sync_depth == 0 and wrapped.calls % self._accumulation == self._accumulation - 1,
+            on_wait=self._times.add_communication,
+            debug=self.debug,
+        )
+        for param in params:
+            self._owner[id(param)] = wrapped
+        self._wrapped.append(wrapped)
+        _patch_optimizer(self, wrapped)
+        return optimizer
+
+    def wrap_scheduler(self, scheduler: Any) -> Any:
+        """Make an LR scheduler step only when its optimizer really stepped (accumulation)."""
+        wrapped = next((w for w in self._wrapped if w.optimizer is scheduler.optimizer), None)
+        if wrapped is None:
+            raise ReplicatorUsageError("wrap the scheduler's optimizer with repl.wrap_optimizer() first")
+        original = scheduler.step
+
+        def step(_: Any, *args: Any, **kwargs: Any) -> Any:
+            if wrapped.stepped:
+                return original(*args, **kwargs)
+            return None
+
+        scheduler.step = types.MethodType(step, scheduler)
+        return scheduler
+
+    # -- gradients ---------------------------------------------------------------------
+    def accumulate(self, micro_steps: int) -> None:
+        """Accumulate gradients over `micro_steps` calls of step_fn before each update.
+
+        step_fn stays as for one batch (zero_grad, backward, step): zero_grad and step
+        take effect every `micro_steps` calls, only the last backward communicates, and the
+        update uses the mean over all micro-batches of all replicas.
+        """
+        if micro_steps < 1:
+            raise ReplicatorUsageError(f"accumulate() needs a positive number of micro-steps, got {micro_steps}")
+        if any(w.calls % self._accumulation for w in self._wrapped):
+            raise ReplicatorUsageError("accumulate() can only change between updates, not in the middle of one")
+        for wrapped in self._wrapped:
+            wrapped.calls = 0
+        self._accumulation = micro_steps
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside this block accumulate gradients locally, with no traffic."""
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip by the global norm of the *averaged* gradients, as single-process training would.
+
+        Call it between backward and optimizer.step(). During an accumulation micro-step
+        (when no update follows) it does nothing and returns None.
+        """
+        params = list(parameters)
+        for wrapped in {id(w): w for p in params if (w := self._owner.get(id(p)))}.values():
+            if wrapped.calls % self._accumulation != self._accumulation - 1:
+                return None
+            wrapped.synchronizer.finalize(self._accumulation)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+    # -- input and the loop ------------------------------------------------------------
+    def prepare_input(self, input_fn: Callable[[InputContext], Iterable[Any]]) -> ReplicatedInput:
+        """Call input_fn once for this replica's input pipeline; batches go to its device."""
+        context = InputContext(
+            num_replicas=self.num_replicas,
+            replica_id=self.replica_id,
+            input_pipeline_id=self.replica_id,
+            num_input_pipelines=self.num_replicas,
+        )
+        return ReplicatedInput(input_fn, context, self.device)
+
+    def run(
+        self,
+        step_fn: Callable[[ReplicaContext, Any], Any],
+        inputs: Iterable[Any],
+        steps: int | None = None,
+        *,
+        progress: bool | None = None,
+        warmup_steps: int = 5,
+    ) -> Iterator[tuple[int, Any]]:
+        """Run `step_fn(ctx, batch)` on every replica; yield `(step, output)` for each step.
+
+        Steps count from 0. The run ends after `steps` steps or when any replica's input
+        runs out, on every replica at the same step. At the end replica 0 prints the
+        step-time breakdown and `repl.last_run` holds the figures.
+        """
+        if steps is not None and steps < 0:
+            raise ReplicatorUsageError(f"steps must be >= 0, got {steps}")
+        show = (self.is_main and os.environ.get("REPLICATOR_PROGRESS", "1") != "0") if progress is None else (progress and self.is_main)
+        times = StepTimes(warmup_steps=warmup_steps)
+        self._times = times
+        self.context.on_wait = times.add_communication
+        for wrapped in self._wrapped:
+            wrapped.synchronizer.on_wait = times.add_communication
+        bar = Progress(steps, enabled=show)
+        iterator = iter(inputs)
+        step = 0
+        ended_early: list[int] = []
+        try:
+            batch, has_batch, waited = _next_batch(iterator)
+            times.input_seconds += waited
+            while steps is None or step < steps:
+                started = time.perf_counter()
+                size = batch_size_of(batch) if has_batch else 0
+                if self.num_replicas > 1:
+                    intents = self.agreement.require_same(f"step {step}", "", [float(has_batch), float(size)])
+                    if self._check_step_agreement(step, intents, ended_early):
+                        break
+                elif not has_batch:
+                    break
+                self.context.step = step
+                agreed = time.perf_counter()
+                times.add_communication(agreed - started)
+                output = step_fn(self.context, batch)
+                _check_output(output)
+                times.step_seconds += time.perf_counter() - started
+                times.finish_step(size * self.num_replicas)
+                bar.update(step + 1, size * self.num_replicas, output)
+                batch, has_batch, waited = _next_batch(iterator)
+                times.input_seconds += waited
+                yield step, output
+                step += 1
+        finally:
+            bar.close()
+        self._summarize(times, show, ended_early, step)
+
+    def _check_step_agreement(self, step: int, intents: list[Any], ended_early: list[int]) -> bool:
+        """True when the run must stop here (some replica has no batch); raises on unequal batches."""
+        has = [bool(i.values[0]) for i in intents]
+        if not all(has):
+            if any(has):
+                ended_early.extend(i.replica for i in intents if not i.values[0])
+                if self.is_main:
+                    print(
+                        f"replicator: input ran out on replica(s) {ended_early} at step {step} while others had "
+                        "more; every replica stops here (shard evenly, e.g. ctx.sampler(..., drop_last=True))",
+                        flush=True,
+                    )
+            return True
+        sizes = [int(i.values[1]) for i in intents]
+        if len(set(sizes)) > 1:
+            listing = ", ".join(f"replica {r}: {s}" for r, s in enumerate(sizes))
+            raise ReplicaMismatchError(
+                f"replicas have different batch sizes at step {step} ({listing}), raised on replica "
+                f"{self.replica_id}. Averaging their gradients would weight samples unequally. Use a global "
+                "batch divisible by the number of replicas and drop the last partial batch (drop_last=True)."
+            )
+        return False
+
+    def _summarize(self, times: StepTimes, show: bool, ended_early: list[int], steps: int) -> None:
+        summary = self.agreement.exchange("run summary", "", times.as_values())
+        per_replica = [[float(v) for v in intent.values] for intent in summary]
+        total_step = sum(r[1] for r in per_replica)
+        total_comm = sum(r[3] for r in per_replica)
+        total_input = sum(r[4] for r in per_replica)
+        self.last_run = {
+            "steps": steps,
+            "samples_per_second": times.steady_samples_per_second(),
+            "communication_share": float(total_comm / max(total_step + total_input, 1e-12)),
+            "per_replica": per_replica,
+            "ended_early": ended_early,
+        }
+        if show and steps:
+            from rich.console import Console
+
+            Console().print(breakdown_table(per_replica))
+
+    # -- the job ---------------------------------------------------------------------
+    def barrier(self) -> None:
+        """Wait until every replica reaches this point."""
+        if self.groups.control is not None:
+            dist.barrier(group=self.groups.control)
+
+    def close(self) -> None:
+        """Release the process groups (called at exit when replicator created them)."""
+        for wrapped in self._wrapped:
+            wrapped.synchronizer.remove()
+        if self._created_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._created_process_group = False
+
+
+class _Scope:
+    """What was built inside one `repl.scope()` block: modules and their tensors."""
+
+    def __init__(self) -> None:
+        self.modules: dict[int, torch.nn.Module] = {}
+        self.children: set[int] = set()
+
+    def saw_tensor(self, module: torch.nn.Module, name: str, tensor: Any) -> None:
+        self.modules.setdefault(id(module), module)
+
+    def saw_child(self, parent: torch.nn.Module, name: str, child: Any) -> None:
+        self.modules.setdefault(id(parent), parent)
+        if child is not None:
+            self.modules.setdefault(id(child), child)
+            self.children.add(id(child))
+
+    def roots(self) -> list[torch.nn.Module]:
+        return [m for key, m in self.modules.items() if key not in self.children]
+
+    def names(self) -> dict[int, str]:
+        names: dict[int, str] = {}
+        for root in self.roots():
+            prefix = type(root).__name__
+            for name, tensor in [*root.named_parameters(prefix=prefix), *root.named_buffers(prefix=prefix)]:
+                names.setdefault(id(tensor), name)
+        return names
+
+
+def _patch_optimizer(repl: Replicator, wrapped: _WrappedOptimizer) -> None:
+    """Replace the instance's step and zero_grad; the class, state_dict and hooks stay torch's."""
+    optimizer = wrapped.optimizer
+    original_step = optimizer.step
+    original_zero_grad = optimizer.zero_grad
+    synchronizer = wrapped.synchronizer
+
+    def step(_: Any, closure: Callable[[], Any] | None = None) -> Any:
+        if repl._no_sync_depth:
+            raise ReplicatorUsageError(
+                "optimizer.step() was called inside repl.no_sync(): gradients there are not synchronized, so "
+                "replicas would diverge; step after leaving no_sync()"
+            )
+        wrapped.calls += 1
+        wrapped.stepped = False
+        if wrapped.calls % repl._accumulation:
+            return None
+        if closure is None:
+            synchronizer.finalize(repl._accumulation)
+            result = original_step()
+        else:
+            if repl._accumulation != 1:
+                raise ReplicatorUsageError("optimizers that take a closure (LBFGS) cannot be combined with accumulate()")
+            result = original_step(_synchronized_closure(repl, synchronizer, closure))
+        synchronizer.end_window()
+        wrapped.stepped = True
+        return result
+
+    def zero_grad(_: Any, set_to_none: bool = True) -> None:
+        if wrapped.calls % repl._accumulation:
+            return  # in the middle of an accumulation: keep the partial sums
+        synchronizer.end_window(discard=True)
+        original_zero_grad(set_to_none)
+
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
+
+
+def _synchronized_closure(repl: Replicator, synchronizer: GradientSynchronizer, closure: Callable[[], Any]) -> Callable[[], Any]:
+    """A closure whose gradients and loss are the replicas' averages (for LBFGS and friends)."""
+
+    def synchronized() -> Any:
+        with torch.enable_grad():
+            loss = closure()
+        synchronizer.finalize()
+        if isinstance(loss, torch.Tensor) and repl.num_replicas > 1:
+            loss = repl.context.all_mean(loss.detach())
+        return loss
+
+    return synchronized
+
+
+def _next_batch(iterator: Iterator[Any]) -> tuple[Any, bool, float]:
+    started = time.perf_counter()
+    try:
+        batch = next(iterator)
+        return batch, True, time.perf_counter() - started
+    except StopIteration:
+        return None, False, time.perf_counter() - started
+
+
+def _check_output(output: Any, where: str = "the output") -> None:
+    """step_fn may return tensors, numbers and (nested) dicts, lists and tuples of them."""
+    if output is None or isinstance(output, (torch.Tensor, bool, int, float)):
+        return
+    if isinstance(output, dict):
+        for key, value in output.items():
+            _check_output(value, f"{where}[{key!r}]")
+        return
+    if isinstance(output, (list, tuple)):
+        for index, value in enumerate(output):
+            _check_output(value, f"{where}[{index}]")
+        return
+    raise ReplicatorUsageError(
+        f"step_fn returned a {type(output).__name__} at {where}, which cannot be reduced across replicas; "
+        "return tensors, numbers, or dicts/tuples/lists of them (for example ctx.all_mean(loss.detach()))"
+    )
+
+
+def _broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, source: int) -> None:
+    """Overwrite every tensor with the source replica's, one message per dtype."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for kind in sorted(by_kind, key=str):
+        members = by_kind[kind]
+        flat = torch.cat([t.detach().reshape(-1) for t in members])
+        dist.broadcast(flat, src=source, group=group)
+        offset = 0
+        with torch.no_grad():
+            for tensor in members:
+                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()

@@ -1,0 +1,94 @@
+"""A bucket: several parameters' gradients in one flat buffer, reduced as one message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from replicator.sync.reducers import PendingReduction
+
+__all__ = ["Bucket", "assign_buckets"]
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Gradients laid end to end, then one presence slot per parameter.
+
+    After the sum, a presence slot counts the replicas that produced a gradient for its
+    parameter; zero means no replica did, and the parameter keeps grad None exactly as
+    single-process training would leave it.
+    """
+
+    index: int
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    numel: int
+    buffer: torch.Tensor
+    ready: set[int] = field(default_factory=set)
+    launched: bool = False
+    pending: PendingReduction | None = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+    def gradient_view(self, position: int) -> torch.Tensor:
+        param = self.params[position]
+        start = self.offsets[position]
+        return self.buffer[start : start + param.numel()].view_as(param)
+
+    def presence(self) -> torch.Tensor:
+        return self.buffer[self.numel :]
+
+    def load(self, position: int) -> None:
+        """Copy the parameter's current gradient in (zeros and absent if it has none)."""
+        grad = self.params[position].grad
+        view = self.gradient_view(position)
+        if grad is None:
+            view.zero_()
+            self.buffer[self.numel + position] = 0
+        else:
+            if grad.is_sparse:
+                raise TypeError("sparse gradients are not supported by the gradient synchronizer; use dense embeddings")
+            view.copy_(grad)
+            self.buffer[self.numel + position] = 1
+        self.ready.add(position)
+
+    def reset(self) -> None:
+        self.ready.clear()
+        self.launched = False
+        self.pending = None
+
+
+def assign_buckets(params: list[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int) -> list[Bucket]:
+    """Group parameters into buckets in reverse order (the order backward produces them).
+
+    A bucket never mixes devices or dtypes. The first bucket is small so that the first
+    message leaves early in the backward pass; later ones are up to `cap_bytes`.
+    """
+    buckets: list[Bucket] = []
+    current: list[torch.nn.Parameter] = []
+    current_bytes = 0
+
+    def close() -> None:
+        nonlocal current, current_bytes
+        if not current:
+            return
+        offsets, total = [], 0
+        for param in current:
+            offsets.append(total)
+            total += param.numel()
+        buffer = torch.zeros(total + len(current), dtype=current[0].dtype, device=current[0].device)
+        buckets.append(Bucket(len(buckets), current, offsets, total, buffer))
+        current, current_bytes = [], 0
+
+    for param in reversed(params):
+        if current and (param.dtype != current[0].dtype or param.device != current[0].device):
+            close()
+        current.append(param)
+        current_bytes += param.numel() * param.element_size()
+        if current_bytes >= (first_cap_bytes if not buckets else cap_bytes):
+            close()
+    close()
+    return buckets

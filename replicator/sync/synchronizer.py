@@ -1,0 +1,182 @@
+"""GradientSynchronizer: averages gradients across replicas, overlapping the backward pass.
+
+Each parameter's post-accumulate-grad hook copies its gradient into its bucket; a complete
+bucket's reduction is launched at once, asynchronously, while backward carries on with
+earlier layers. Buckets are launched strictly in index order, on every replica, once per
+round: that is what keeps the sequence of collectives identical across replicas even when
+some parameters get no gradient on some replicas. `finalize()` (from `optimizer.step()` or
+`clip_grad_norm_`) launches what is left, waits, and writes the averages back.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from replicator.agreement import Agreement
+from replicator.errors import ReplicatorUsageError
+from replicator.sync.bucket import Bucket, assign_buckets
+from replicator.sync.reducers import Reducer
+
+__all__ = ["GradientSynchronizer"]
+
+_FIRST_BUCKET_BYTES = 1 << 20
+
+
+class GradientSynchronizer:
+    """Keeps the gradients of one optimizer's parameters identical across replicas.
+
+    A *window* runs from one `zero_grad`/`step` to the next; within it every bucket is
+    reduced at least once, in order. A gradient that arrives for a bucket already reduced
+    in this window (a second backward before `step`) starts a new round that reduces the
+    full accumulated gradients again: correct, at the price of the extra traffic.
+    """
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        group: dist.ProcessGroup | None,
+        agreement: Agreement,
+        reducer: Reducer,
+        bucket_cap_bytes: int,
+        names: dict[int, str],
+        label: str,
+        should_sync: Callable[[], bool],
+        on_wait: Callable[[float], None] = lambda seconds: None,
+        debug: bool = False,
+    ) -> None:
+        self.group = group
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.agreement = agreement
+        self.reducer = reducer
+        self.names = names
+        self.label = label
+        self.should_sync = should_sync
+        self.on_wait = on_wait
+        self.debug = debug
+        unique = list({id(p): p for p in params}.values())
+        self.params = [p for p in unique if p.requires_grad]
+        self.frozen = [p for p in unique if not p.requires_grad]
+        self.buckets: list[Bucket] = []
+        self._location: dict[int, tuple[Bucket, int]] = {}
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        if self.size > 1:
+            self.buckets = assign_buckets(self.params, bucket_cap_bytes, min(_FIRST_BUCKET_BYTES, bucket_cap_bytes))
+            for bucket in self.buckets:
+                for position, param in enumerate(bucket.params):
+                    self._location[id(param)] = (bucket, position)
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.params]
+        self._next_bucket = 0
+        self._window_open = False
+        self._windows = 0
+        self._reduced = False
+
+    def name_of(self, param: torch.nn.Parameter) -> str:
+        return self.names.get(id(param), f"<parameter of shape {tuple(param.shape)}>")
+
+    # -- during backward -------------------------------------------------------------
+    def _on_gradient(self, param: torch.nn.Parameter) -> None:
+        if not self.should_sync():
+            return
+        bucket, position = self._location[id(param)]
+        if bucket.launched or position in bucket.ready or self._reduced:
+            # A second gradient in this window: finish this round, then reduce afresh.
+            self._flush()
+            self._wait_all()
+            for each in self.buckets:
+                each.reset()
+            self._next_bucket = 0
+            self._reduced = False
+        bucket.load(position)
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].complete:
+            self._launch(self.buckets[self._next_bucket])
+
+    def _launch(self, bucket: Bucket) -> None:
+        if not self._window_open:
+            self._window_open = True
+            self._windows += 1
+            self._agree(f"gradient sync of {self.label}, window {self._windows}")
+        if self.debug:
+            self._agree(f"gradient bucket {bucket.index} of {self.label} with {bucket.buffer.numel()} elements")
+        bucket.launched = True
+        bucket.pending = self.reducer.reduce(bucket.buffer, self.group)  # type: ignore[arg-type]
+        self._next_bucket = bucket.index + 1
+
+    def _agree(self, signature: str) -> None:
+        started = time.perf_counter()
+        self.agreement.require_same(signature)
+        self.on_wait(time.perf_counter() - started)
+
+    def _flush(self) -> None:
+        """Launch every bucket not yet launched this round, in order, with what it has."""
+        for bucket in self.buckets[self._next_bucket :]:
+            for position in range(len(bucket.params)):
+                if position not in bucket.ready:
+                    bucket.load(position)
+            self._launch(bucket)
+
+    def _wait_all(self) -> None:
+        started = time.perf_counter()
+        for bucket in self.buckets:
+            if bucket.pending is not None:
+                bucket.pending.wait()
+                bucket.pending = None
+        self.on_wait(time.perf_counter() - started)
+
+    # -- at step ---------------------------------------------------------------------
+    def finalize(self, extra_divisor: int = 1) -> None:
+        """Make every gradient the replicas' average (divided also by `extra_divisor`, the
+        accumulation count). Idempotent within a window."""
+        if self._reduced:
+            return
+        for param in self.frozen:
+            if param.grad is not None:
+                raise ReplicatorUsageError(
+                    f"parameter {self.name_of(param)} was frozen (requires_grad=False) when the optimizer was "
+                    "wrapped but now has a gradient that nobody synchronizes; set requires_grad before "
+                    "repl.wrap_optimizer(...)"
+                )
+        divisor = self.size * extra_divisor
+        if self.size == 1:
+            if divisor != 1:
+                grads = [p.grad for p in self.params if p.grad is not None]
+                if grads:
+                    torch._foreach_div_(grads, divisor)
+            self._reduced = True
+            return
+        self._flush()
+        self._wait_all()
+        for bucket in self.buckets:
+            bucket.buffer[: bucket.numel].div_(divisor)
+            present = bucket.presence().tolist()
+            for position, param in enumerate(bucket.params):
+                if present[position] == 0:
+                    param.grad = None
+                elif param.grad is None:
+                    param.grad = bucket.gradient_view(position).clone()
+                else:
+                    param.grad.copy_(bucket.gradient_view(position))
+        self._reduced = True
+
+    def end_window(self, discard: bool = False) -> None:
+        """Close the window after `step` (or `zero_grad`, which discards its reductions).
+
+        A window that launched anything is completed first, so that every replica issues
+        the same collectives whether or not its own backward reached every bucket.
+        """
+        if discard and self._window_open:
+            self._flush()
+            self._wait_all()
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_bucket = 0
+        self._window_open = False
+        self._reduced = False
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()

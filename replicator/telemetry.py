@@ -1,0 +1,135 @@
+"""Step timing, the live progress bar on replica 0 and the end-of-run breakdown table."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["StepTimes", "Progress", "breakdown_table", "scalar_of"]
+
+
+@dataclass
+class StepTimes:
+    """Seconds accumulated over a run, split by where the time went."""
+
+    steps: int = 0
+    samples: int = 0
+    step_seconds: float = 0.0  # inside step_fn, collectives included
+    communication_seconds: float = 0.0  # blocked on collectives: exposed, not overlapped
+    input_seconds: float = 0.0  # waiting for the next batch
+    started: float = field(default_factory=time.perf_counter)
+    # Steps before this many are excluded from steady-state figures (warm-up, allocator).
+    warmup_steps: int = 0
+    steady_started: float | None = None
+    steady_samples: int = 0
+
+    def add_communication(self, seconds: float) -> None:
+        self.communication_seconds += seconds
+
+    def finish_step(self, samples: int) -> None:
+        self.steps += 1
+        self.samples += samples
+        if self.steps == self.warmup_steps:
+            self.steady_started = time.perf_counter()
+        elif self.steps > self.warmup_steps:
+            self.steady_samples += samples
+
+    @property
+    def compute_seconds(self) -> float:
+        return max(0.0, self.step_seconds - self.communication_seconds)
+
+    def steady_samples_per_second(self) -> float:
+        """Samples per second after the warm-up steps (this replica)."""
+        if self.steady_started is None or self.steady_samples == 0:
+            elapsed = time.perf_counter() - self.started
+            return self.samples / elapsed if elapsed > 0 else 0.0
+        return self.steady_samples / (time.perf_counter() - self.steady_started)
+
+    def as_values(self) -> list[float]:
+        return [self.steps, self.step_seconds, self.compute_seconds, self.communication_seconds, self.input_seconds]
+
+
+def scalar_of(output: Any) -> float | None:
+    """The number to show as 'loss': a scalar output, or the 'loss' entry of a dict."""
+    if isinstance(output, dict):
+        output = output.get("loss")
+    elif isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    if isinstance(output, torch.Tensor) and output.numel() == 1:
+        return float(output.detach().float().item())
+    if isinstance(output, (int, float)):
+        return float(output)
+    return None
+
+
+class Progress:
+    """A rich progress bar (step, loss, samples/s, ETA), refreshed a few times a second."""
+
+    def __init__(self, total: int | None, enabled: bool, description: str = "training") -> None:
+        self.enabled = enabled
+        self._last_update = 0.0
+        self._started = time.perf_counter()
+        self._samples = 0
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import Progress as RichProgress
+
+        self._bar = RichProgress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[rate]} samples/s"),
+            TimeRemainingColumn(),
+            transient=not sys.stdout.isatty(),
+        )
+        self._task = self._bar.add_task(description, total=total, loss="-", rate="-")
+        self._bar.start()
+
+    def update(self, step: int, samples: int, output: Any) -> None:
+        self._samples += samples
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if now - self._last_update < 0.2:
+            self._bar.update(self._task, completed=step)
+            return
+        self._last_update = now
+        loss = scalar_of(output)
+        rate = self._samples / max(now - self._started, 1e-9)
+        self._bar.update(
+            self._task,
+            completed=step,
+            loss="-" if loss is None or math.isnan(loss) else f"{loss:.4f}",
+            rate=f"{rate:,.0f}",
+        )
+
+    def close(self) -> None:
+        if self.enabled:
+            self._bar.stop()
+
+
+def breakdown_table(per_replica: list[list[float]]) -> Any:
+    """A rich Table of milliseconds per step by replica: compute, exposed communication, input wait."""
+    from rich.table import Table
+
+    table = Table(title="step-time breakdown (ms per step)")
+    for column in ("replica", "steps", "step", "compute", "communication", "input wait", "comm share"):
+        table.add_column(column, justify="right")
+    rows = []
+    for replica, (steps, step_s, compute_s, comm_s, input_s) in enumerate(per_replica):
+        n = max(int(steps), 1)
+        rows.append((replica, int(steps), step_s / n, compute_s / n, comm_s / n, input_s / n))
+    for replica, steps, step_ms, compute_ms, comm_ms, input_ms in rows:
+        share = comm_ms / (step_ms + input_ms) if step_ms + input_ms > 0 else 0.0
+        table.add_row(
+            str(replica), str(steps), f"{1e3 * step_ms:.2f}", f"{1e3 * compute_ms:.2f}",
+            f"{1e3 * comm_ms:.2f}", f"{1e3 * input_ms:.2f}", f"{100 * share:.1f}%",
+        )
+    return table

@@ -1,0 +1,179 @@
+"""Who am I: ranks, nodes, device and backend, and the process groups built from them."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Topology", "ProcessGroups", "discover", "build_process_groups", "DEFAULT_TIMEOUT_S"]
+
+# Long enough for a slow first step on a loaded machine, short enough that a stuck run ends
+# with an error rather than hanging a job for torch's default half hour.
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits in the job. Ranks follow the launcher's numbering."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    launcher: str = "none"  # "torchrun", "slurm" or "none"
+
+    @property
+    def distributed(self) -> bool:
+        """True when the job has more than one process or was started by a launcher."""
+        return self.world_size > 1 or self.launcher != "none"
+
+    @property
+    def device(self) -> torch.device:
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+
+def _int(env: Mapping[str, str], *names: str, default: int | None = None) -> int:
+    for name in names:
+        if env.get(name, "") != "":
+            try:
+                return int(env[name])
+            except ValueError as error:
+                raise ValueError(f"environment variable {name}={env[name]!r} is not an integer") from error
+    if default is None:
+        raise KeyError(f"none of {names} is set")
+    return default
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm node list such as 'gpu[03-05,09],cpu1' -> 'gpu03'."""
+    match = re.match(r"([^\[,]+)(?:\[([^\]]+)\])?", nodelist)
+    if match is None:
+        raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR")
+    prefix, ranges = match.group(1), match.group(2)
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def discover(env: Mapping[str, str] | None = None) -> Topology:
+    """Read the topology from torchrun's variables, else Slurm's, else a single process."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world_size = _int(env, "WORLD_SIZE")
+        local_world_size = _int(env, "LOCAL_WORLD_SIZE", default=world_size)
+        return Topology(
+            rank=_int(env, "RANK"),
+            world_size=world_size,
+            local_rank=_int(env, "LOCAL_RANK", default=0),
+            local_world_size=local_world_size,
+            node_rank=_int(env, "GROUP_RANK", "NODE_RANK", default=_int(env, "RANK") // local_world_size),
+            num_nodes=max(1, world_size // local_world_size),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int(env, "MASTER_PORT", default=29500),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        world_size = _int(env, "SLURM_NTASKS")
+        num_nodes = _int(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES", default=1)
+        # SLURM_NTASKS_PER_NODE may read "4(x2)"; the even split is what the mesh assumes.
+        local_world_size = world_size // num_nodes
+        master = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        return Topology(
+            rank=_int(env, "SLURM_PROCID"),
+            world_size=world_size,
+            local_rank=_int(env, "SLURM_LOCALID", default=0),
+            local_world_size=local_world_size,
+            node_rank=_int(env, "SLURM_NODEID", default=0),
+            num_nodes=num_nodes,
+            master_addr=master,
+            master_port=_int(env, "MASTER_PORT", default=29500),
+            launcher="slurm",
+        )
+    return Topology()
+
+
+@dataclass
+class ProcessGroups:
+    """The groups every replica builds once, in the same order.
+
+    Ranks are laid out replica-major: rank = replica * stages + stage, so the stages of
+    one replica are neighbours (usually on one node, where activations travel fastest).
+    A group is None where the job is a single process.
+    """
+
+    world: dist.ProcessGroup | None
+    control: dist.ProcessGroup | None  # small fixed-size agreement messages only
+    replica: dist.ProcessGroup | None  # same stage across replicas: gradients are averaged here
+    stage: dist.ProcessGroup | None  # the stages of this replica: the pipeline's p2p
+    intra_node: dist.ProcessGroup | None
+    inter_node: dist.ProcessGroup | None  # same local rank across nodes
+    replica_ranks: list[int]
+    stage_ranks: list[int]
+
+
+def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroups:
+    """Initialise torch.distributed (if the job has peers) and build every group once."""
+    if topology.world_size % stages != 0:
+        raise ValueError(
+            f"stages={stages} does not divide the world size {topology.world_size}: "
+            f"launch a multiple of {stages} processes or change stages"
+        )
+    replicas = topology.world_size // stages
+    replica_id, stage_id = divmod(topology.rank, stages)
+    replica_ranks = [r * stages + stage_id for r in range(replicas)]
+    stage_ranks = [replica_id * stages + s for s in range(stages)]
+    if not topology.distributed:
+        return ProcessGroups(None, None, None, None, None, None, replica_ranks, stage_ranks)
+
+    timeout = timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if topology.launcher == "slurm":
+            os.environ.setdefault("MASTER_ADDR", topology.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(topology.master_port))
+            os.environ.setdefault("RANK", str(topology.rank))
+            os.environ.setdefault("WORLD_SIZE", str(topology.world_size))
+        if topology.device.type == "cuda":
+            torch.cuda.set_device(topology.device)
+        dist.init_process_group(topology.backend, timeout=timeout)
+    world = dist.group.WORLD
+
+    def new_group(ranks: list[int], backend: str | None = None) -> dist.ProcessGroup:
+        return dist.new_group(ranks, timeout=timeout, backend=backend)
+
+    def my_group(partition: list[list[int]], backend: str | None = None) -> dist.ProcessGroup | None:
+        # new_group must be called by every rank for every group, in the same order.
+        mine = None
+        for ranks in partition:
+            group = new_group(ranks, backend)
+            if topology.rank in ranks:
+                mine = group
+        return mine
+
+    # The control group is always Gloo on the CPU: its messages are tiny and must not
+    # queue behind gradient traffic on the accelerator's stream.
+    control = new_group(list(range(topology.world_size)), backend="gloo")
+    replica = world if stages == 1 else my_group(
+        [[r * stages + s for r in range(replicas)] for s in range(stages)]
+    )
+    stage = None if stages == 1 else my_group([[r * stages + s for s in range(stages)] for r in range(replicas)])
+    local = topology.local_world_size
+    nodes = topology.num_nodes
+    intra = my_group([[n * local + i for i in range(local)] for n in range(nodes)]) if nodes > 1 else world
+    inter = my_group([[n * local + i for n in range(nodes)] for i in range(local)]) if nodes > 1 else None
+    return ProcessGroups(world, control, replica, stage, intra, inter, replica_ranks, stage_ranks)
