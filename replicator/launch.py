@@ -76,8 +76,11 @@ def launch(spec: LaunchSpec) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    saved = dict(os.environ)
     for key, value in _environment(spec).items():
-        os.environ.setdefault(key, value)
+        # An explicit --threads wins; otherwise a user's own OMP_NUM_THREADS is respected.
+        if spec.threads_per_process or key not in os.environ:
+            os.environ[key] = value
     try:
         run(parse_args(torchrun_arguments(spec)))
     except ChildFailedError as failure:
@@ -86,4 +89,7 @@ def launch(spec: LaunchSpec) -> int:
             lines.append(f"  rank {rank}: exit code {info.exitcode}")
         print("\n".join(lines), flush=True)
         return 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     return 0

@@ -73,8 +73,9 @@ class Replicator:
         self.num_replicas = len(self.groups.replica_ranks)
         self.replica_id = self.groups.replica_ranks.index(self.topology.rank)
         self.device = self.topology.device
-        self.agreement = Agreement(self.groups.control)
-        self.context = ReplicaContext(self.replica_id, self.num_replicas, self.groups.replica, self.agreement)
+        self.agreement = Agreement(self.groups.control)  # the whole job: steps, run summary
+        self.replica_agreement = Agreement(self.groups.replica_control)  # this stage's replicas
+        self.context = ReplicaContext(self.replica_id, self.num_replicas, self.groups.replica, self.replica_agreement)
         set_active_context(self.context)
         self._times = StepTimes()
         self.context.on_wait = lambda seconds: self._times.add_communication(seconds)
@@ -180,7 +181,7 @@ class Replicator:
         label = f"optimizer {len(self._wrapped)} ({type(optimizer).__name__})"
         wrapped = _WrappedOptimizer(optimizer, None)  # type: ignore[arg-type]
         wrapped.synchronizer = GradientSynchronizer(
-            params, self.groups.replica, self.agreement, self.reducer, self.bucket_cap_bytes, self._names, label,
+            params, self.groups.replica, self.replica_agreement, self.reducer, self.bucket_cap_bytes, self._names, label,
             should_sync=lambda: self._no_sync_depth == 0 and wrapped.calls % self._accumulation == self._accumulation - 1,
             on_wait=self._times.add_communication,
             debug=self.debug,

@@ -118,7 +118,8 @@ class ProcessGroups:
     """
 
     world: dist.ProcessGroup | None
-    control: dist.ProcessGroup | None  # small fixed-size agreement messages only
+    control: dist.ProcessGroup | None  # small fixed-size agreement messages, whole job
+    replica_control: dist.ProcessGroup | None  # the same, among the replicas of this stage
     replica: dist.ProcessGroup | None  # same stage across replicas: gradients are averaged here
     stage: dist.ProcessGroup | None  # the stages of this replica: the pipeline's p2p
     intra_node: dist.ProcessGroup | None
@@ -139,7 +140,7 @@ def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float =
     replica_ranks = [r * stages + stage_id for r in range(replicas)]
     stage_ranks = [replica_id * stages + s for s in range(stages)]
     if not topology.distributed:
-        return ProcessGroups(None, None, None, None, None, None, replica_ranks, stage_ranks)
+        return ProcessGroups(None, None, None, None, None, None, None, replica_ranks, stage_ranks)
 
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
@@ -168,12 +169,12 @@ def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float =
     # The control group is always Gloo on the CPU: its messages are tiny and must not
     # queue behind gradient traffic on the accelerator's stream.
     control = new_group(list(range(topology.world_size)), backend="gloo")
-    replica = world if stages == 1 else my_group(
-        [[r * stages + s for r in range(replicas)] for s in range(stages)]
-    )
+    replica_partition = [[r * stages + s for r in range(replicas)] for s in range(stages)]
+    replica = world if stages == 1 else my_group(replica_partition)
+    replica_control = control if stages == 1 else my_group(replica_partition, backend="gloo")
     stage = None if stages == 1 else my_group([[r * stages + s for s in range(stages)] for r in range(replicas)])
     local = topology.local_world_size
     nodes = topology.num_nodes
     intra = my_group([[n * local + i for i in range(local)] for n in range(nodes)]) if nodes > 1 else world
     inter = my_group([[n * local + i for n in range(nodes)] for i in range(local)]) if nodes > 1 else None
-    return ProcessGroups(world, control, replica, stage, intra, inter, replica_ranks, stage_ranks)
+    return ProcessGroups(world, control, replica_control, replica, stage, intra, inter, replica_ranks, stage_ranks)
