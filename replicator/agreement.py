@@ -1,16 +1,18 @@
 """Replicas agree before they communicate, so divergence fails fast and names the culprit.
 
 Before a collective whose partners could differ (a user's collective, the first gradient
-bucket of a step, the start of a step), every replica sends a fixed-size message on the
-control group: what it is about to do and from where. Because every message has the same
-size, mismatched replicas still complete the exchange, see each other's intent and raise
-the same clear error together instead of hanging or feeding wrong-sized buffers to Gloo.
+bucket of a step, the start of a step), every replica announces on the control group what
+it is about to do. Every announcement has the same size, so mismatched replicas still
+complete the exchange, see that they differ, then swap full intents (operation and call
+site) and raise the same clear error together, instead of hanging or feeding
+wrong-sized buffers to Gloo.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -20,7 +22,7 @@ import torch.distributed as dist
 
 from replicator.errors import ReplicaMismatchError
 
-__all__ = ["Agreement", "Intent", "call_site"]
+__all__ = ["Agreement", "PendingAgreement", "Verdict", "Intent", "call_site"]
 
 _SIGNATURE_BYTES = 256
 _SITE_BYTES = 128
@@ -94,12 +96,57 @@ class Agreement:
             )
         return intents
 
-    def require_same(self, signature: str, site: str = "", values: Sequence[float] = ()) -> list[Intent]:
-        """Exchange intents and raise ReplicaMismatchError on every replica if signatures differ."""
-        intents = self.exchange(signature, site, values)
-        if any(intent.signature != intents[0].signature for intent in intents):
-            raise ReplicaMismatchError(describe_mismatch(intents, self.rank))
-        return intents
+    def require_same(self, signature: str, site: str = "", values: Sequence[int] = ()) -> "Verdict":
+        """Check that every replica announces `signature`; raise ReplicaMismatchError everywhere if not."""
+        return self.start(signature, site, values).wait()
+
+    def start(self, signature: str, site: str = "", values: Sequence[int] = ()) -> "PendingAgreement":
+        """Begin the check without waiting, so its latency hides under other work.
+
+        The common case costs one all-reduce of a few integers: the maximum and minimum of a
+        signature hash and of each value. Only when they differ do replicas exchange full
+        intents (all of them see the same maxima, so all of them take that path together).
+        """
+        return PendingAgreement(self, signature, site, [int(v) for v in values])
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The replicas' extremes of each announced value."""
+
+    maxima: tuple[int, ...]
+    minima: tuple[int, ...]
+
+    @property
+    def unanimous(self) -> bool:
+        return self.maxima == self.minima
+
+
+class PendingAgreement:
+    """An agreement check in flight; `wait()` returns the Verdict or raises on divergence."""
+
+    def __init__(self, agreement: Agreement, signature: str, site: str, values: list[int]) -> None:
+        self.agreement, self.signature, self.site, self.values = agreement, signature, site, values
+        digest = zlib.crc32(signature.encode("utf-8"))
+        self._tensor = torch.tensor([digest, *values, -digest, *(-v for v in values)], dtype=torch.int64)
+        self._work = None
+        if agreement.group is not None:
+            self._work = dist.all_reduce(self._tensor, op=dist.ReduceOp.MAX, group=agreement.group, async_op=True)
+        self._verdict: Verdict | None = None
+
+    def wait(self) -> Verdict:
+        if self._verdict is not None:
+            return self._verdict
+        if self._work is not None:
+            self._work.wait()
+        half = len(self.values) + 1
+        maxima = self._tensor[:half].tolist()
+        minima = [-v for v in self._tensor[half:].tolist()]
+        if maxima[0] != minima[0]:
+            intents = self.agreement.exchange(self.signature, self.site, [float(v) for v in self.values])
+            raise ReplicaMismatchError(describe_mismatch(intents, self.agreement.rank))
+        self._verdict = Verdict(tuple(maxima[1:]), tuple(minima[1:]))
+        return self._verdict
 
 
 def describe_mismatch(intents: list[Intent], me: int) -> str:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules import module as module_hooks
 
-from replicator.agreement import Agreement
+from replicator.agreement import Agreement, PendingAgreement
 from replicator.context import InputContext, ReplicaContext, set_active_context
 from replicator.errors import ReplicaMismatchError, ReplicatorUsageError
 from replicator.inputs import ReplicatedInput, batch_size_of
@@ -286,18 +286,17 @@ class Replicator:
         try:
             batch, has_batch, waited = _next_batch(iterator)
             times.input_seconds += waited
+            pending = self._announce_step(step, batch, has_batch, steps)
             while steps is None or step < steps:
                 started = time.perf_counter()
-                size = batch_size_of(batch) if has_batch else 0
-                if self.num_replicas > 1:
-                    intents = self.agreement.require_same(f"step {step}", "", [float(has_batch), float(size)])
-                    if self._check_step_agreement(step, intents, ended_early):
+                if pending is not None:
+                    if self._must_stop(step, pending, has_batch, ended_early):
                         break
                 elif not has_batch:
                     break
+                size = batch_size_of(batch)
                 self.context.step = step
-                agreed = time.perf_counter()
-                times.add_communication(agreed - started)
+                times.add_communication(time.perf_counter() - started)
                 output = step_fn(self.context, batch)
                 _check_output(output)
                 times.step_seconds += time.perf_counter() - started
@@ -305,17 +304,27 @@ class Replicator:
                 bar.update(step + 1, size * self.num_replicas, output)
                 batch, has_batch, waited = _next_batch(iterator)
                 times.input_seconds += waited
+                pending = self._announce_step(step + 1, batch, has_batch, steps)
                 yield step, output
                 step += 1
         finally:
             bar.close()
         self._summarize(times, show, ended_early, step)
 
-    def _check_step_agreement(self, step: int, intents: list[Any], ended_early: list[int]) -> bool:
-        """True when the run must stop here (some replica has no batch); raises on unequal batches."""
-        has = [bool(i.values[0]) for i in intents]
-        if not all(has):
-            if any(has):
+    def _announce_step(self, step: int, batch: Any, has_batch: bool, steps: int | None) -> PendingAgreement | None:
+        """Start agreeing on the next step (has a batch? of what size?) while the caller works."""
+        if self.num_replicas == 1 or (steps is not None and step >= steps):
+            return None
+        size = batch_size_of(batch) if has_batch else 0
+        return self.agreement.start(f"step {step}", "", [int(has_batch), size])
+
+    def _must_stop(self, step: int, pending: PendingAgreement, has_batch: bool, ended_early: list[int]) -> bool:
+        """True when some replica has no batch for this step; raises on unequal batch sizes."""
+        verdict = pending.wait()
+        (has_max, size_max), (has_min, size_min) = verdict.maxima, verdict.minima
+        if has_min == 0:
+            if has_max == 1:  # some replicas still had data: say who ran out
+                intents = self.agreement.exchange("input ended", "", [float(has_batch)])
                 ended_early.extend(i.replica for i in intents if not i.values[0])
                 if self.is_main:
                     print(
@@ -324,9 +333,9 @@ class Replicator:
                         flush=True,
                     )
             return True
-        sizes = [int(i.values[1]) for i in intents]
-        if len(set(sizes)) > 1:
-            listing = ", ".join(f"replica {r}: {s}" for r, s in enumerate(sizes))
+        if size_max != size_min:
+            intents = self.agreement.exchange("batch sizes", "", [float(pending.values[1])])
+            listing = ", ".join(f"replica {i.replica}: {int(i.values[0])}" for i in intents)
             raise ReplicaMismatchError(
                 f"replicas have different batch sizes at step {step} ({listing}), raised on replica "
                 f"{self.replica_id}. Averaging their gradients would weight samples unequally. Use a global "

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from replicator.agreement import Agreement
+from replicator.agreement import Agreement, PendingAgreement
 from replicator.errors import ReplicatorUsageError
 from replicator.sync.bucket import Bucket, assign_buckets
 from replicator.sync.reducers import Reducer
@@ -73,6 +73,7 @@ class GradientSynchronizer:
         self._window_open = False
         self._windows = 0
         self._reduced = False
+        self._agreement_in_flight: PendingAgreement | None = None
 
     def name_of(self, param: torch.nn.Parameter) -> str:
         return self.names.get(id(param), f"<parameter of shape {tuple(param.shape)}>")
@@ -98,17 +99,15 @@ class GradientSynchronizer:
         if not self._window_open:
             self._window_open = True
             self._windows += 1
-            self._agree(f"gradient sync of {self.label}, window {self._windows}")
+            # Checked without blocking: the verdict is awaited before the buckets are.
+            self._agreement_in_flight = self.agreement.start(f"gradient sync of {self.label}, window {self._windows}")
         if self.debug:
-            self._agree(f"gradient bucket {bucket.index} of {self.label} with {bucket.buffer.numel()} elements")
+            started = time.perf_counter()
+            self.agreement.require_same(f"gradient bucket {bucket.index} of {self.label}, {bucket.buffer.numel()} elements")
+            self.on_wait(time.perf_counter() - started)
         bucket.launched = True
         bucket.pending = self.reducer.reduce(bucket.buffer, self.group)  # type: ignore[arg-type]
         self._next_bucket = bucket.index + 1
-
-    def _agree(self, signature: str) -> None:
-        started = time.perf_counter()
-        self.agreement.require_same(signature)
-        self.on_wait(time.perf_counter() - started)
 
     def _flush(self) -> None:
         """Launch every bucket not yet launched this round, in order, with what it has."""
@@ -120,6 +119,9 @@ class GradientSynchronizer:
 
     def _wait_all(self) -> None:
         started = time.perf_counter()
+        if self._agreement_in_flight is not None:
+            in_flight, self._agreement_in_flight = self._agreement_in_flight, None
+            in_flight.wait()
         for bucket in self.buckets:
             if bucket.pending is not None:
                 bucket.pending.wait()
