@@ -1,0 +1,114 @@
+"""Bad input raises a clear error on every replica, never a hang or a silent wrong answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import replicator as rp
+from replicator.testing import ReplicaFailure, run_replicas
+
+# Errors must arrive within seconds; a hang would hit this.
+FAST = dict(timeout_s=60, env={"REPLICATOR_TIMEOUT": "30"})
+
+
+def tiny_setup():
+    repl = rp.Replicator()
+    with repl.scope():
+        model = torch.nn.Linear(3, 1)
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    return repl, model, optimizer
+
+
+def collective_on_replica_zero_only() -> None:
+    repl, model, optimizer = tiny_setup()
+
+    def step_fn(ctx, batch):
+        loss = model(batch).pow(2).mean()
+        if ctx.replica_id == 0:
+            ctx.all_sum(loss.detach())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    for _ in repl.run(step_fn, [torch.ones(2, 3)] * 3):
+        pass
+
+
+def returns_a_string() -> None:
+    repl, model, optimizer = tiny_setup()
+    for _ in repl.run(lambda ctx, batch: "done", [torch.ones(2, 3)]):
+        pass
+
+
+def indivisible_global_batch() -> None:
+    repl = rp.Replicator()
+    repl.prepare_input(lambda ctx: [torch.ones(ctx.per_replica_batch_size(10), 3)])
+
+
+def unequal_batches() -> None:
+    repl, model, optimizer = tiny_setup()
+    rows = 4 if repl.replica_id == 0 else 3
+    for _ in repl.run(lambda ctx, batch: None, [torch.ones(rows, 3)]):
+        pass
+
+
+def model_on_wrong_device() -> None:
+    repl = rp.Replicator()
+    with repl.scope():
+        model = torch.nn.Linear(3, 1, device="meta")
+        repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def wrap_outside_scope() -> None:
+    repl = rp.Replicator()
+    model = torch.nn.Linear(3, 1)
+    repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def step_inside_no_sync() -> None:
+    repl, model, optimizer = tiny_setup()
+    with repl.no_sync():
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
+
+
+def expect_everywhere(fn, kind: str, *fragments: str, replicas: int = 2) -> None:
+    with pytest.raises(ReplicaFailure) as caught:
+        run_replicas(fn, replicas, **FAST)
+    errors = caught.value.errors
+    assert [e.rank for e in errors] == list(range(replicas)), f"not every replica raised: {caught.value}"
+    for error in errors:
+        assert error.kind == kind, error
+        for fragment in fragments:
+            assert fragment in error.message, f"{fragment!r} missing from: {error.message}"
+
+
+def test_collective_called_by_some_replicas_names_the_culprit() -> None:
+    expect_everywhere(collective_on_replica_zero_only, "ReplicaMismatchError",
+                      "replica(s) 0: ctx.all_sum", "test_bad_input.py", "gradient sync")
+
+
+def test_unreducible_output() -> None:
+    expect_everywhere(returns_a_string, "ReplicatorUsageError", "step_fn returned a str")
+
+
+def test_indivisible_global_batch() -> None:
+    expect_everywhere(indivisible_global_batch, "ReplicatorUsageError", "global batch size 10", "multiple of 4",
+                      replicas=4)
+
+
+def test_unequal_batch_sizes() -> None:
+    expect_everywhere(unequal_batches, "ReplicaMismatchError", "replica 0: 4, replica 1: 3", "drop_last")
+
+
+def test_model_on_wrong_device() -> None:
+    expect_everywhere(model_on_wrong_device, "ReplicatorUsageError", "Linear.weight is on meta", "repl.scope()")
+
+
+def test_wrap_optimizer_outside_scope() -> None:
+    expect_everywhere(wrap_outside_scope, "ReplicatorUsageError", "outside repl.scope()")
+
+
+def test_step_inside_no_sync() -> None:
+    expect_everywhere(step_inside_no_sync, "ReplicatorUsageError", "inside repl.no_sync()")

@@ -1,0 +1,68 @@
+"""ReplicaContext's collectives against hand-computed values, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import replicator as rp
+from replicator.testing import run_replicas
+
+
+def collective_results() -> dict[str, torch.Tensor]:
+    repl = rp.Replicator()
+    ctx, r, n = repl.context, repl.replica_id, repl.num_replicas
+    mine = torch.tensor([r + 1.0, 10.0 * (r + 1)])
+    out = {
+        "sum": ctx.all_sum(mine),
+        "mean": ctx.all_mean(mine),
+        "max": ctx.all_max(mine),
+        "min": ctx.all_min(mine),
+        "gather": ctx.all_gather(mine.view(1, 2)),
+        "broadcast": ctx.broadcast(mine, source=n - 1),
+        "reduce_scatter": ctx.reduce_scatter(torch.arange(2.0 * n) * (r + 1)),
+    }
+    # Gradients of the total loss Σ_r L_r with L_r = (r+1)·Σ collective(x_r).
+    weight = r + 1.0
+    for name in ("sum", "mean", "max", "gather", "broadcast", "reduce_scatter"):
+        x = (torch.arange(2.0 * n) + 1 if name == "reduce_scatter" else mine.clone()).requires_grad_(True)
+        op = {"sum": ctx.all_sum, "mean": ctx.all_mean, "max": ctx.all_max, "gather": ctx.all_gather,
+              "broadcast": lambda t: ctx.broadcast(t, source=0), "reduce_scatter": ctx.reduce_scatter}[name]
+        (weight * op(x).sum()).backward()
+        out[f"grad_{name}"] = x.grad.clone()
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_collectives_forward_and_backward(n: int) -> None:
+    results = run_replicas(collective_results, n)
+    values = torch.stack([torch.tensor([r + 1.0, 10.0 * (r + 1)]) for r in range(n)])
+    total_weight = n * (n + 1) / 2  # Σ_r (r+1)
+    for r, got in enumerate(results):
+        assert torch.equal(got["sum"], values.sum(0))
+        assert torch.allclose(got["mean"], values.mean(0))
+        assert torch.equal(got["max"], values[-1])
+        assert torch.equal(got["min"], values[0])
+        assert torch.equal(got["gather"], values)
+        assert torch.equal(got["broadcast"], values[-1])
+        full = sum(torch.arange(2.0 * n) * (q + 1) for q in range(n))
+        assert torch.equal(got["reduce_scatter"], full[2 * r : 2 * r + 2])
+        # d/dx_r Σ_q w_q Σ sum(x) = Σ_q w_q for every element; the mean divides by n.
+        assert torch.allclose(got["grad_sum"], torch.full((2,), total_weight))
+        assert torch.allclose(got["grad_mean"], torch.full((2,), total_weight / n))
+        assert torch.allclose(got["grad_gather"], torch.full((2,), total_weight))
+        # Only the replica holding the maximum (the last) receives the max's gradient.
+        assert torch.allclose(got["grad_max"], torch.full((2,), total_weight if r == n - 1 else 0.0))
+        # Broadcast from 0: replica 0 collects everyone's gradient, the others none.
+        assert torch.allclose(got["grad_broadcast"], torch.full((2,), total_weight if r == 0 else 0.0))
+        # Reduce-scatter: each output slice q is weighted by w_q, and every replica's input feeds it.
+        expected = torch.cat([torch.full((2,), q + 1.0) for q in range(n)])
+        assert torch.allclose(got["grad_reduce_scatter"], expected)
+
+
+def test_single_replica_collectives_are_identity() -> None:
+    repl = rp.Replicator()
+    x = torch.tensor([3.0, -1.0])
+    ctx = repl.context
+    for op in (ctx.all_sum, ctx.all_mean, ctx.all_max, ctx.all_min, ctx.all_gather, ctx.broadcast, ctx.reduce_scatter):
+        assert torch.equal(op(x), x)

@@ -1,0 +1,50 @@
+"""Topology discovery from torchrun's and Slurm's environments, and the launcher's arguments."""
+
+from __future__ import annotations
+
+import pytest
+
+from replicator.launch import LaunchSpec, torchrun_arguments
+from replicator.topology import Topology, discover
+
+
+def test_plain_python_is_one_replica_on_cpu() -> None:
+    topology = discover({})
+    assert (topology.rank, topology.world_size, topology.launcher) == (0, 1, "none")
+    assert not topology.distributed
+    assert topology.backend == "gloo" and topology.device.type == "cpu"
+
+
+def test_torchrun_environment() -> None:
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+           "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "1234"}
+    topology = discover(env)
+    assert topology == Topology(5, 8, 1, 4, 1, 2, "10.1.2.3", 1234, "torchrun")
+
+
+def test_slurm_environment() -> None:
+    env = {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+           "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    topology = discover(env)
+    assert (topology.rank, topology.world_size, topology.local_rank, topology.local_world_size) == (6, 8, 2, 4)
+    assert (topology.node_rank, topology.num_nodes, topology.master_addr) == (1, 2, "gpu07")
+    assert topology.launcher == "slurm"
+
+
+def test_bad_environment_is_named() -> None:
+    with pytest.raises(ValueError, match="WORLD_SIZE='two'"):
+        discover({"RANK": "0", "WORLD_SIZE": "two"})
+
+
+def test_single_node_launch_binds_loopback() -> None:
+    arguments = torchrun_arguments(LaunchSpec("train.py", ["--lr", "1"], nproc_per_node=4))
+    assert arguments[arguments.index("--master-addr") + 1] == "127.0.0.1"
+    assert arguments[-3:] == ["train.py", "--lr", "1"]
+
+
+def test_multi_node_launch_needs_a_master() -> None:
+    with pytest.raises(ValueError, match="--master HOST:PORT"):
+        LaunchSpec("train.py", [], nproc_per_node=2, nnodes=2, node_rank=1).validate()
+    arguments = torchrun_arguments(LaunchSpec("train.py", [], 8, nnodes=2, node_rank=1, master="node0:29400"))
+    assert arguments[arguments.index("--master-addr") + 1] == "node0"
+    assert arguments[arguments.index("--node-rank") + 1] == "1"
