@@ -1,4 +1,4 @@
-"""The `replicator` command: launch | demo."""
+"""The `replicator` command: launch | demo | plan."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="train a small ResNet on digits with 2 replicas and report scaling")
     demo.add_argument("-n", "--replicas", type=int, default=2)
     demo.add_argument("--epochs", type=int, default=12)
+
+    from replicator.plan.cli import add_arguments as add_plan_arguments
+
+    plan = commands.add_parser("plan", help="predict scaling (alpha-beta model); recommend a reducer, bucket, pipeline")
+    add_plan_arguments(plan)
     return parser
 
 
@@ -47,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         from replicator.demo.driver import run_demo
 
         return run_demo(replicas=options.replicas, epochs=options.epochs)
+    if options.command == "plan":
+        from replicator.plan.cli import main as plan_main
+
+        return plan_main(options)
     return 2
 
 

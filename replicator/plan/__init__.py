@@ -1,0 +1,25 @@
+"""Alpha–beta scaling planner: collective costs, the step model, the planner and calibration (`replicator plan`)."""
+
+from replicator.plan.cost import Level, all_reduce_time
+from replicator.plan.planner import REDUCERS, Cluster, Plan, Prediction, Reducer, Tier, best_bucket, gpu_counts, plan, predict
+from replicator.plan.step import Accelerator, Pipeline, StepBreakdown, Workload, step_time
+
+__all__ = [
+    "Level",
+    "all_reduce_time",
+    "Workload",
+    "Accelerator",
+    "Pipeline",
+    "StepBreakdown",
+    "step_time",
+    "Tier",
+    "Cluster",
+    "Reducer",
+    "REDUCERS",
+    "Prediction",
+    "Plan",
+    "predict",
+    "best_bucket",
+    "gpu_counts",
+    "plan",
+]

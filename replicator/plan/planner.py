@@ -1,0 +1,284 @@
+"""The planner: predicted step time, throughput and scaling efficiency over GPU counts and reducers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from replicator.plan.cost import Level, all_reduce_time
+from replicator.plan.step import Accelerator, Pipeline, StepBreakdown, Workload, step_time
+
+__all__ = [
+    "Tier",
+    "Cluster",
+    "Reducer",
+    "REDUCERS",
+    "with_compression",
+    "Prediction",
+    "Plan",
+    "MB",
+    "BUCKET_CANDIDATES",
+    "TOLERANCE",
+    "predict",
+    "best_bucket",
+    "gpu_counts",
+    "plan",
+]
+
+MB = 1024 * 1024
+# Bucket sizes the planner tries; 25 MB is torch DDP's default, 64 MB Horovod's fusion buffer.
+BUCKET_CANDIDATES: tuple[float, ...] = tuple(size * MB for size in (1, 2, 4, 8, 16, 25, 32, 64, 128, 256))
+# Predictions closer than this are a tie, and the simpler choice wins: the model is not that exact.
+TOLERANCE = 0.005
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One kind of link in a cluster. `size`: members per unit (None for the outermost tier, which grows)."""
+
+    name: str
+    size: int | None
+    bandwidth: float
+    latency: float
+    shared_by: int = 1
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Tiers from the inside out, e.g. GPUs in a node over NVLink, then nodes over InfiniBand."""
+
+    tiers: tuple[Tier, ...]
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise ValueError("a cluster needs at least one tier")
+        for tier in self.tiers[:-1]:
+            if tier.size is None or tier.size < 1:
+                raise ValueError(f"tier {tier.name!r}: only the outermost tier may have an open size; give a size >= 1")
+
+    @classmethod
+    def two_level(cls, gpus_per_node: int, intra_bandwidth: float, intra_latency: float,
+                  inter_bandwidth: float, inter_latency: float) -> "Cluster":
+        """Nodes of `gpus_per_node` GPUs; `inter_bandwidth` is one node's network port, shared by its GPUs."""
+        return cls((
+            Tier("intra-node", gpus_per_node, intra_bandwidth, intra_latency),
+            Tier("inter-node", None, inter_bandwidth, inter_latency, shared_by=gpus_per_node),
+        ))
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.tiers[0].size or 1
+
+    def levels(self, gpus: int) -> list[Level]:
+        """The tiers `gpus` GPUs occupy when placed innermost first (whole nodes once past one node)."""
+        if gpus < 1:
+            raise ValueError(f"need at least 1 GPU, got {gpus}")
+        levels: list[Level] = []
+        remaining = gpus
+        for position, tier in enumerate(self.tiers):
+            if tier.size is None or remaining <= tier.size:
+                levels.append(Level(remaining, tier.bandwidth, tier.latency, tier.shared_by, tier.name))
+                remaining = 1
+                break
+            if remaining % tier.size:
+                unit = math.prod(t.size or 1 for t in self.tiers[: position + 1])
+                raise ValueError(f"{gpus} GPUs do not fill whole units of {tier.size} at tier {tier.name!r}; "
+                                 f"use a multiple of {unit}")
+            levels.append(Level(tier.size, tier.bandwidth, tier.latency, tier.shared_by, tier.name))
+            remaining //= tier.size
+        if remaining != 1:
+            raise ValueError(f"{gpus} GPUs do not fit this cluster (its outermost tier has a fixed size)")
+        return levels
+
+
+@dataclass(frozen=True)
+class Reducer:
+    """How gradients are summed: an all-reduce algorithm and the bytes per element on the wire (None: the workload's)."""
+
+    name: str
+    algorithm: str
+    gradient_bytes: int | None = None
+
+
+REDUCERS: tuple[Reducer, ...] = (
+    Reducer("flat-ring", "ring"),
+    Reducer("flat-rhd", "rhd"),
+    Reducer("hierarchical", "hierarchical"),
+)
+
+
+def with_compression(reducers: Sequence[Reducer], gradient_bytes: int = 2, suffix: str = "+fp16") -> tuple[Reducer, ...]:
+    """The reducers plus a variant of each that sends gradients in a 2-byte type (changes numerics: opt-in)."""
+    return tuple(reducers) + tuple(Reducer(r.name + suffix, r.algorithm, gradient_bytes) for r in reducers)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One configuration's predicted step and its scaling against one GPU with the same per-GPU batch."""
+
+    gpus: int
+    reducer: str
+    bucket: float
+    pipeline: Pipeline
+    step: StepBreakdown
+    single_gpu_step: float
+    samples_per_step: int
+
+    @property
+    def step_time(self) -> float:
+        return self.step.total
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second, all GPUs together."""
+        return self.samples_per_step / self.step.total
+
+    @property
+    def efficiency(self) -> float:
+        """Throughput over gpus × single-GPU throughput."""
+        return self.single_gpu_step / self.step.total
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Best-bucket predictions per (GPU count, reducer) and the recommended configuration per GPU count."""
+
+    predictions: dict[tuple[int, str], Prediction] = field(default_factory=dict)
+    recommended: dict[int, Prediction] = field(default_factory=dict)
+
+    @property
+    def gpu_counts(self) -> list[int]:
+        return sorted(self.recommended)
+
+
+def _replica_levels(levels: list[Level], stages: int) -> list[Level]:
+    """The levels one stage's data-parallel group spans when K stages share the machine.
+
+    Stages are packed innermost first, so a group has 1/K as many members; the K
+    groups run at once, so a network port carries K rings (divide its bandwidth) while
+    its per-GPU share stays the same.
+    """
+    if stages == 1:
+        return levels
+    remaining = stages
+    result: list[Level] = []
+    concurrent = min(stages, levels[0].size) if levels else 1
+    for level in levels:
+        divisor = math.gcd(level.size, remaining)
+        remaining //= divisor
+        if level.shared_by > 1:
+            sharing = min(concurrent, level.shared_by)
+            result.append(replace(level, size=level.size // divisor, bandwidth=level.bandwidth / sharing,
+                                  shared_by=max(1, level.shared_by // sharing)))
+        else:
+            result.append(replace(level, size=level.size // divisor))
+    if remaining != 1:
+        raise ValueError(f"{stages} stages do not divide the GPUs evenly")
+    return result
+
+
+def predict(workload: Workload, accelerator: Accelerator, cluster: Cluster, gpus: int, reducer: Reducer,
+            bucket: float, pipeline: Pipeline = Pipeline()) -> Prediction:
+    """Predicted step on `gpus` GPUs with one reducer, bucket size and pipeline shape."""
+    if gpus % pipeline.stages:
+        raise ValueError(f"{gpus} GPUs cannot hold whole replicas of {pipeline.stages} stages")
+    if workload.batch_per_gpu * pipeline.stages < pipeline.micro_batches:
+        raise ValueError(f"{pipeline.micro_batches} micro-batches need at least that many samples per replica, "
+                         f"have {workload.batch_per_gpu * pipeline.stages}")
+    wire = workload if reducer.gradient_bytes is None else replace(workload, gradient_bytes=reducer.gradient_bytes)
+    levels = cluster.levels(gpus)
+    group = _replica_levels(levels, pipeline.stages)
+    replicas = gpus // pipeline.stages
+
+    def all_reduce(nbytes: float) -> float:
+        return all_reduce_time(reducer.algorithm, group, nbytes)
+
+    # Stage boundaries inside a node use its links, otherwise the network.
+    boundary = levels[0] if pipeline.stages <= levels[0].size or len(levels) == 1 else levels[-1]
+
+    def p2p(nbytes: float) -> float:
+        return boundary.latency + nbytes / boundary.bandwidth
+
+    step = step_time(wire, accelerator, all_reduce if replicas > 1 else None, bucket, pipeline, p2p)
+    single = step_time(workload, accelerator, None, bucket).total
+    return Prediction(gpus, reducer.name, bucket, pipeline, step, single, gpus * workload.batch_per_gpu)
+
+
+def _buckets_for(workload: Workload, buckets: Sequence[float] | None) -> list[float]:
+    whole = workload.gradient_size
+    candidates = sorted({b for b in (buckets or BUCKET_CANDIDATES) if b < whole})
+    return candidates + [whole]
+
+
+def _pick(candidates: list[Prediction], tolerance: float) -> Prediction:
+    """The first (simplest) candidate within `tolerance` of the fastest."""
+    fastest = min(c.step_time for c in candidates)
+    return next(c for c in candidates if c.step_time <= fastest * (1 + tolerance))
+
+
+def best_bucket(workload: Workload, accelerator: Accelerator, cluster: Cluster, gpus: int, reducer: Reducer,
+                pipeline: Pipeline = Pipeline(), buckets: Sequence[float] | None = None,
+                tolerance: float = TOLERANCE) -> Prediction:
+    """The largest bucket whose step is within `tolerance` of the fastest.
+
+    In a pure alpha–beta model ever smaller buckets keep shaving the exposed tail, but
+    each collective also costs a launch and bookkeeping this model does not see, so a
+    gain below the tolerance is not worth more, smaller messages.
+    """
+    sizes = sorted(_buckets_for(workload, buckets), reverse=True)
+    candidates = [predict(workload, accelerator, cluster, gpus, reducer, size, pipeline) for size in sizes]
+    fastest = min(c.step_time for c in candidates)
+    return next(c for c in candidates if c.step_time <= fastest * (1 + tolerance))
+
+
+def gpu_counts(cluster: Cluster, max_gpus: int) -> list[int]:
+    """1, 2, 4, ... up to `max_gpus` (and `max_gpus` itself), keeping counts that fill whole nodes."""
+    if max_gpus < 1:
+        raise ValueError(f"max_gpus must be >= 1, got {max_gpus}")
+    counts = {1 << k for k in range(max_gpus.bit_length()) if 1 << k <= max_gpus} | {max_gpus}
+    valid = []
+    for count in sorted(counts):
+        try:
+            cluster.levels(count)
+        except ValueError:
+            continue
+        valid.append(count)
+    return valid
+
+
+def _pipelines(gpus: int, batch_per_gpu: int, max_stages: int, recompute: bool) -> list[Pipeline]:
+    shapes = [Pipeline()]
+    stages = 2
+    while stages <= min(max_stages, gpus):
+        if gpus % stages == 0:
+            for factor in (1, 2, 4, 8):
+                micro = stages * factor
+                if micro <= batch_per_gpu * stages:
+                    shapes.append(Pipeline(stages, micro, recompute))
+        stages *= 2
+    return shapes
+
+
+def plan(workload: Workload, accelerator: Accelerator, cluster: Cluster, counts: Sequence[int],
+         reducers: Sequence[Reducer] = REDUCERS, buckets: Sequence[float] | None = None,
+         max_stages: int = 1, recompute: bool = False, tolerance: float = TOLERANCE) -> Plan:
+    """Predict every GPU count × reducer (best bucket each) and recommend one configuration per GPU count.
+
+    With `max_stages` > 1 the recommendation also weighs pipelines of K = 2, 4, ...
+    stages with M = K, 2K, 4K, 8K micro-batches; near-ties go to fewer stages, fewer
+    micro-batches (bigger micro-batches keep a GPU busier than this model credits),
+    the earlier reducer and the larger bucket. `tolerance` is the relative step-time
+    difference treated as a tie.
+    """
+    result = Plan()
+    for gpus in counts:
+        candidates: list[Prediction] = []
+        for pipeline in _pipelines(gpus, workload.batch_per_gpu, max_stages, recompute):
+            for reducer in reducers:
+                best = best_bucket(workload, accelerator, cluster, gpus, reducer, pipeline, buckets, tolerance)
+                if pipeline == Pipeline():
+                    result.predictions[(gpus, reducer.name)] = best
+                candidates.append(best)
+        result.recommended[gpus] = _pick(candidates, tolerance)
+    return result

@@ -1,0 +1,190 @@
+"""One training step's time: compute, bucketed gradient all-reduce overlapped with backward, pipeline bubble."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = [
+    "BACKWARD_PER_FORWARD",
+    "Workload",
+    "Accelerator",
+    "Pipeline",
+    "StepBreakdown",
+    "bubble_fraction",
+    "bucket_sizes",
+    "overlap",
+    "step_time",
+]
+
+# Backward computes a gradient for both the inputs and the weights of every layer:
+# about twice the forward's multiply-adds.
+BACKWARD_PER_FORWARD = 2.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one GPU computes per step and how much gradient it must share.
+
+    `flops_per_sample` counts forward FLOPs (a multiply-add is 2). `gradient_bytes` is
+    the size of one gradient element on the wire (4 for fp32, 2 for fp16 compression).
+    `activation_bytes_per_sample` matters only for pipelines: what crosses a stage
+    boundary per sample.
+    """
+
+    params: float
+    flops_per_sample: float
+    batch_per_gpu: int
+    gradient_bytes: int = 4
+    activation_bytes_per_sample: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.params <= 0:
+            raise ValueError(f"params must be > 0, got {self.params}")
+        if self.flops_per_sample <= 0:
+            raise ValueError(f"flops_per_sample must be > 0, got {self.flops_per_sample}")
+        if self.batch_per_gpu < 1:
+            raise ValueError(f"batch_per_gpu must be >= 1, got {self.batch_per_gpu}")
+        if self.gradient_bytes < 1:
+            raise ValueError(f"gradient_bytes must be >= 1, got {self.gradient_bytes}")
+        if self.activation_bytes_per_sample < 0:
+            raise ValueError(f"activation_bytes_per_sample must be >= 0, got {self.activation_bytes_per_sample}")
+
+    @property
+    def gradient_size(self) -> float:
+        """Bytes of gradient one replica all-reduces per step."""
+        return self.params * self.gradient_bytes
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """A GPU (or CPU): peak FLOP/s and the fraction of it a real model achieves."""
+
+    peak_flops: float
+    efficiency: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.peak_flops <= 0:
+            raise ValueError(f"peak_flops must be > 0, got {self.peak_flops}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"efficiency must be in (0, 1], got {self.efficiency}")
+
+    @property
+    def achieved_flops(self) -> float:
+        return self.peak_flops * self.efficiency
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """K stages, M micro-batches (GPipe). `recompute`: re-materialize activations in backward."""
+
+    stages: int = 1
+    micro_batches: int = 1
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stages < 1 or self.micro_batches < 1:
+            raise ValueError(f"stages and micro_batches must be >= 1, got K={self.stages}, M={self.micro_batches}")
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    """Seconds per step. `communication` is the all-reduce busy time, `exposed` the part not hidden."""
+
+    forward: float
+    backward: float
+    bubble: float
+    p2p: float
+    communication: float
+    exposed: float
+
+    @property
+    def compute(self) -> float:
+        return self.forward + self.backward
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.bubble + self.p2p + self.exposed
+
+
+def bubble_fraction(stages: int, micro_batches: int) -> float:
+    """Idle share of a GPipe schedule: (K-1)/(M+K-1)."""
+    if stages < 1 or micro_batches < 1:
+        raise ValueError(f"stages and micro_batches must be >= 1, got K={stages}, M={micro_batches}")
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def bucket_sizes(total: float, bucket: float) -> list[float]:
+    """Split `total` bytes into buckets of `bucket` bytes in the order gradients become ready; the last holds the rest."""
+    if total <= 0:
+        return []
+    if bucket <= 0:
+        raise ValueError(f"bucket size must be > 0 bytes, got {bucket}")
+    full = math.floor(total / bucket)
+    sizes = [float(bucket)] * full
+    rest = total - full * bucket
+    if not sizes:
+        return [float(total)]
+    # A sliver below a millionth of a bucket is floating-point noise, not a bucket of its own.
+    if rest > bucket * 1e-6:
+        sizes.append(rest)
+    else:
+        sizes[-1] += rest
+    return sizes
+
+
+def overlap(total: float, bucket: float, window: float, all_reduce: Callable[[float], float]) -> tuple[float, float]:
+    """(exposed, busy) seconds of a bucketed all-reduce that runs while `window` seconds of backward go on.
+
+    Gradient bytes appear at a steady rate over the window (a bucket is ready when its
+    last byte is); buckets go out one at a time, in order, on one communication
+    stream. Whatever is still on the wire when backward ends is exposed.
+    """
+    if window < 0:
+        raise ValueError(f"overlap window must be >= 0 s, got {window}")
+    free = 0.0
+    busy = 0.0
+    produced = 0.0
+    for size in bucket_sizes(total, bucket):
+        produced += size
+        ready = window * min(1.0, produced / total)
+        duration = all_reduce(size)
+        free = max(free, ready) + duration
+        busy += duration
+    return max(0.0, free - window), busy
+
+
+def step_time(
+    workload: Workload,
+    accelerator: Accelerator,
+    all_reduce: Callable[[float], float] | None,
+    bucket: float,
+    pipeline: Pipeline = Pipeline(),
+    p2p: Callable[[float], float] | None = None,
+) -> StepBreakdown:
+    """Time of one synchronous step on one GPU of a data- (and optionally pipeline-) parallel job.
+
+    A replica of K stages takes batch_per_gpu × K samples in M micro-batches, so every
+    GPU does the same work as without a pipeline; the schedule runs M + K - 1 slots
+    of each micro-batch's forward and backward. Stage 0 finishes last, so its share of
+    the gradient (1/K of it) decides the exposed communication, and only its last
+    micro-batch's backward is left to hide it under. `all_reduce(bytes)` is None for a
+    single replica; `p2p(bytes)` costs one activation transfer between stages.
+    """
+    stages, micro = pipeline.stages, pipeline.micro_batches
+    samples_per_micro_batch = workload.batch_per_gpu * stages / micro
+    forward_slot = workload.flops_per_sample * samples_per_micro_batch / stages / accelerator.achieved_flops
+    backward_slot = forward_slot * (BACKWARD_PER_FORWARD + (1.0 if pipeline.recompute else 0.0))
+    slots = micro + stages - 1
+    forward = micro * forward_slot
+    backward = micro * backward_slot
+    bubble = (stages - 1) * (forward_slot + backward_slot)
+    p2p_time = 0.0
+    if stages > 1 and p2p is not None:
+        # Activations forward and their gradients backward, once per slot.
+        p2p_time = 2 * slots * p2p(workload.activation_bytes_per_sample * samples_per_micro_batch)
+    exposed = busy = 0.0
+    if all_reduce is not None:
+        exposed, busy = overlap(workload.gradient_size / stages, bucket, backward_slot, all_reduce)
+    return StepBreakdown(forward, backward, bubble, p2p_time, busy, exposed)
