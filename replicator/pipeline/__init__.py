@@ -1,0 +1,42 @@
+"""GPipe-style pipeline model parallelism: partition, micro-batches, schedules, stages over p2p.
+
+    groups = build_process_groups(discover(), stages=K)
+    pipe = build_pipeline(layers, stage_id=groups.stage_ranks.index(rank), num_stages=K, balance="params",
+                          stage_ranks=groups.stage_ranks, stage_group=groups.stage, chunks=M, schedule="1f1b")
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    optimizer.zero_grad(); loss = pipe.train_step(x, y, F.cross_entropy); optimizer.step()
+"""
+
+from replicator.pipeline.batchnorm import DeferredBatchNorm, convert_deferred_batchnorm
+from replicator.pipeline.build import agreed_balance, build_pipeline
+from replicator.pipeline.checkpointing import CHECKPOINT_MODES, is_recomputing
+from replicator.pipeline.microbatch import gather, scatter
+from replicator.pipeline.partition import partition
+from replicator.pipeline.schedule import SCHEDULES, Action, Op, Schedule, check_schedule, make_schedule, simulate
+from replicator.pipeline.stage import PipelineError, PipelineStage
+from replicator.pipeline.timeline import Event, Timeline, plot_gantt, write_chrome_trace
+
+__all__ = [
+    "build_pipeline",
+    "agreed_balance",
+    "PipelineStage",
+    "PipelineError",
+    "partition",
+    "scatter",
+    "gather",
+    "Schedule",
+    "Action",
+    "Op",
+    "SCHEDULES",
+    "make_schedule",
+    "check_schedule",
+    "simulate",
+    "CHECKPOINT_MODES",
+    "is_recomputing",
+    "DeferredBatchNorm",
+    "convert_deferred_batchnorm",
+    "Event",
+    "Timeline",
+    "write_chrome_trace",
+    "plot_gantt",
+]

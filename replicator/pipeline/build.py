@@ -1,0 +1,103 @@
+"""build_pipeline: partition a model and return this process's stage, ready to train."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from replicator.pipeline.batchnorm import convert_deferred_batchnorm
+from replicator.pipeline.partition import Balance, check_stage_count, layers_of, resolve_balance, split
+from replicator.pipeline.schedule import Schedule
+from replicator.pipeline.stage import PipelineStage
+
+__all__ = ["build_pipeline", "agreed_balance"]
+
+
+def agreed_balance(
+    modules: nn.Sequential | Sequence[nn.Module],
+    num_stages: int,
+    balance: Balance,
+    *,
+    sample: Any = None,
+    device: torch.device | str | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> list[int]:
+    """Layer counts per stage, identical on every process of `group`.
+
+    Explicit counts and "params" are deterministic, so every process computes them. A
+    "time" profile differs from process to process, so only the group's first rank
+    profiles and broadcasts the result (every replica must cut the model the same way, or
+    their gradients could not be averaged). A failure there is raised on every rank.
+    """
+    if balance != "time" or group is None or dist.get_world_size(group) == 1:
+        return resolve_balance(modules, num_stages, balance, sample=sample, device=device)
+    check_stage_count(len(layers_of(modules)), num_stages)  # the same verdict everywhere, before talking
+    source = dist.get_global_rank(group, 0)
+    message = torch.zeros(num_stages, dtype=torch.int64)
+    error: Exception | None = None
+    if dist.get_rank() == source:
+        try:
+            message = torch.tensor(resolve_balance(modules, num_stages, balance, sample=sample, device=device))
+        except Exception as caught:  # tell the others, then raise here too
+            error = caught
+            message.fill_(-1)
+    wire = message
+    if dist.get_backend(group) == "nccl":  # NCCL only moves accelerator memory
+        wire = message.to(torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device()))
+    dist.broadcast(wire, src=source, group=group)
+    if error is not None:
+        raise error
+    counts = wire.cpu().tolist()
+    if any(c < 1 for c in counts):
+        raise ValueError(f'balance="time" failed on rank {source}, which profiles the layers; see the error there')
+    return counts
+
+
+def build_pipeline(
+    modules: nn.Sequential | Sequence[nn.Module],
+    *,
+    stage_id: int,
+    num_stages: int,
+    balance: Balance = "params",
+    stage_ranks: Sequence[int] | None = None,
+    stage_group: dist.ProcessGroup | None = None,
+    chunks: int = 1,
+    schedule: str | Schedule = "gpipe",
+    checkpoint: str = "except_last",
+    device: torch.device | str | None = None,
+    sample: Any = None,
+    deferred_batchnorm: bool = False,
+    balance_group: dist.ProcessGroup | None = None,
+    replica: int = 0,
+    record: bool = True,
+    no_sync: Callable[[], ContextManager[Any]] | None = None,
+) -> PipelineStage:
+    """Split `modules` into `num_stages` stages and return stage `stage_id` as a PipelineStage.
+
+    Every process builds the whole model the same way (same seed) and calls this; each
+    keeps its own stage and the others can be dropped. Args as in PipelineStage, plus:
+        balance: layer counts per stage, "params" or "time" (profiles on `sample`).
+        sample: a batch for the first layer, needed by balance="time".
+        deferred_batchnorm: replace nn.BatchNorm1d/2d/3d by DeferredBatchNorm, whose running
+            statistics are those of the whole mini-batch (GPipe); default: per micro-batch.
+        balance_group: a group spanning every process of the job (ProcessGroups.control) so
+            that a timed balance is the same for all replicas; default: stage_group.
+    """
+    layers_of(modules)  # a clear error for a model that is not a sequence of layers, before any collective
+    if not 0 <= stage_id < num_stages:
+        raise ValueError(f"stage_id must be in 0..{num_stages - 1}, got {stage_id}")
+    counts = agreed_balance(modules, num_stages, balance, sample=sample, device=device,
+                            group=balance_group if balance_group is not None else stage_group)
+    module: nn.Module = split(modules, counts)[stage_id]
+    if deferred_batchnorm:
+        module = convert_deferred_batchnorm(module)
+    if device is not None:
+        module.to(device)
+    return PipelineStage(
+        module, stage_id=stage_id, num_stages=num_stages, stage_ranks=stage_ranks, group=stage_group,
+        chunks=chunks, schedule=schedule, checkpoint=checkpoint, device=device, replica=replica, record=record,
+        no_sync=no_sync,
+    )

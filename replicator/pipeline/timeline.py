@@ -1,0 +1,171 @@
+"""What each stage did when: recorded actions, exported as a Chrome trace (Perfetto) or a Gantt chart.
+
+Times are wall-clock seconds (time.time()), so stages in different processes, and on
+machines whose clocks are synchronised, line up on one axis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator, Sequence
+
+from replicator.pipeline.schedule import Op, Schedule, TimedAction, timed_simulation
+
+__all__ = ["Event", "Timeline", "events_from_simulation", "chrome_trace", "write_chrome_trace", "plot_gantt",
+           "bubble_fraction"]
+
+_LABEL = {
+    Op.FORWARD.value: "F",
+    Op.BACKWARD.value: "B",
+    Op.SEND_ACTIVATION.value: "send act",
+    Op.RECV_ACTIVATION.value: "recv act",
+    Op.SEND_GRADIENT.value: "send grad",
+    Op.RECV_GRADIENT.value: "recv grad",
+}
+_COLOR = {
+    Op.FORWARD.value: "#4C72B0",
+    Op.BACKWARD.value: "#55A868",
+    Op.SEND_ACTIVATION.value: "#C7C7C7",
+    Op.RECV_ACTIVATION.value: "#E5AE38",
+    Op.SEND_GRADIENT.value: "#C7C7C7",
+    Op.RECV_GRADIENT.value: "#E5AE38",
+}
+
+
+@dataclass(frozen=True)
+class Event:
+    """One action of one stage: its operation (an `Op` value), micro-batch and start/end seconds."""
+
+    stage: int
+    op: str
+    microbatch: int
+    start: float
+    end: float
+    replica: int = 0
+
+    @property
+    def is_compute(self) -> bool:
+        return self.op in (Op.FORWARD.value, Op.BACKWARD.value)
+
+
+class Timeline:
+    """The events one stage recorded; `record()` times one action."""
+
+    def __init__(self, stage: int, replica: int = 0, enabled: bool = True) -> None:
+        self.stage = stage
+        self.replica = replica
+        self.enabled = enabled
+        self.events: list[Event] = []
+
+    @contextlib.contextmanager
+    def record(self, op: str, microbatch: int) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.events.append(Event(self.stage, op, microbatch, start, time.time(), self.replica))
+
+    def clear(self) -> None:
+        self.events.clear()
+
+
+def events_from_simulation(placed: Sequence[TimedAction] | Schedule, forward_time: float = 1.0,
+                           backward_time: float = 2.0) -> list[Event]:
+    """Events of a simulated run (see schedule.timed_simulation), to draw a schedule before running it."""
+    if isinstance(placed, Schedule):
+        placed = timed_simulation(placed, forward_time, backward_time)
+    return [Event(p.stage, p.action.op.value, p.action.microbatch, p.start, p.end) for p in placed]
+
+
+def bubble_fraction(events: Sequence[Event]) -> float:
+    """Share of the stages' time, from the first start to the last end, not spent computing."""
+    if not events:
+        return 0.0
+    lanes = {(e.replica, e.stage) for e in events}
+    span = max(e.end for e in events) - min(e.start for e in events)
+    busy = sum(e.end - e.start for e in events if e.is_compute)
+    return 1.0 - busy / (len(lanes) * span) if span > 0 else 0.0
+
+
+def chrome_trace(events: Sequence[Event]) -> dict[str, Any]:
+    """The events as a Chrome trace (open in ui.perfetto.dev or chrome://tracing): a row per stage."""
+    origin = min((e.start for e in events), default=0.0)
+    trace: list[dict[str, Any]] = []
+    for replica, stage in sorted({(e.replica, e.stage) for e in events}):
+        trace.append({"name": "process_name", "ph": "M", "pid": replica, "args": {"name": f"replica {replica}"}})
+        trace.append({"name": "thread_name", "ph": "M", "pid": replica, "tid": stage, "args": {"name": f"stage {stage}"}})
+        trace.append({"name": "thread_sort_index", "ph": "M", "pid": replica, "tid": stage, "args": {"sort_index": stage}})
+    for e in events:
+        trace.append({
+            "name": f"{_LABEL.get(e.op, e.op)} {e.microbatch}",
+            "cat": e.op,
+            "ph": "X",
+            "ts": (e.start - origin) * 1e6,
+            "dur": max(0.0, e.end - e.start) * 1e6,
+            "pid": e.replica,
+            "tid": e.stage,
+            "args": asdict(e),
+        })
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(events: Sequence[Event], path: str | os.PathLike[str]) -> None:
+    """Write `chrome_trace(events)` as JSON to `path`."""
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(chrome_trace(events), file)
+
+
+def plot_gantt(events: Sequence[Event], path: str | os.PathLike[str], *, title: str | None = None,
+               show_communication: bool = True, time_unit: str | None = None) -> None:
+    """Draw the events as a Gantt chart PNG: a row per stage, forwards blue, backwards green.
+
+    Needs matplotlib. Receives (waiting for a neighbour) are drawn as thin amber bars; sends
+    as thin grey bars, since they only start a transfer. Times are shown in ms or s, or
+    unscaled with the label `time_unit` (e.g. "time units" for a simulated schedule).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if not events:
+        raise ValueError("no events to draw; run a step with recording enabled first")
+    origin = min(e.start for e in events)
+    span = max(e.end for e in events) - origin
+    if time_unit is None:
+        scale, unit = (1e3, "ms") if span < 10 else (1.0, "s")
+    else:
+        scale, unit = 1.0, time_unit
+    lanes = sorted({(e.replica, e.stage) for e in events})
+    row = {lane: k for k, lane in enumerate(lanes)}
+    figure, axes = plt.subplots(figsize=(max(8.0, min(24.0, 0.25 * len(events) / max(1, len(lanes)))), 0.6 * len(lanes) + 1.5))
+    for e in events:
+        y = row[(e.replica, e.stage)]
+        start, width = (e.start - origin) * scale, (e.end - e.start) * scale
+        if e.is_compute:
+            axes.broken_barh([(start, width)], (y - 0.4, 0.8), facecolors=_COLOR[e.op], edgecolor="white", linewidth=0.5)
+            if width > span * scale / 80:
+                axes.text(start + width / 2, y, str(e.microbatch), ha="center", va="center", color="white", fontsize=7)
+        elif show_communication:
+            axes.broken_barh([(start, max(width, 0.0))], (y + 0.25, 0.15), facecolors=_COLOR.get(e.op, "#999999"))
+    axes.set_yticks(range(len(lanes)))
+    axes.set_yticklabels([f"stage {s}" if len({r for r, _ in lanes}) == 1 else f"r{r} stage {s}" for r, s in lanes])
+    axes.invert_yaxis()
+    axes.set_xlabel(unit)
+    bubble = bubble_fraction(events)
+    axes.set_title(f"{title + ' — ' if title else ''}bubble {bubble:.0%}")
+    handles = [Patch(color=_COLOR[Op.FORWARD.value], label="forward"), Patch(color=_COLOR[Op.BACKWARD.value], label="backward")]
+    if show_communication:
+        handles.append(Patch(color=_COLOR[Op.RECV_ACTIVATION.value], label="receive (waiting)"))
+    axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,531 @@
+"""Pipelines in real processes: K stages x M micro-batches train exactly like one process on the whole batch.
+
+To stay quick on a 2-core machine each process launch runs many configurations; the
+fixtures launch once per pipeline shape and the tests read their results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from replicator.pipeline import PipelineError, build_pipeline, p2p
+from replicator.pipeline.build import agreed_balance
+from replicator.pipeline.microbatch import iter_tensors
+from replicator.pipeline.timeline import bubble_fraction, plot_gantt, write_chrome_trace
+from replicator.testing import run_replicas
+from replicator.topology import build_process_groups, discover
+
+STEPS = 3
+BATCHES = [16, 13, 11]  # shapes change from step to step; 13 and 11 split unevenly
+CHUNKS = [1, 4, 8]
+SCHEDULE_NAMES = ["gpipe", "1f1b"]
+CHECKPOINTS = ["always", "except_last", "never"]
+OPTIMIZERS = ["sgd", "adam"]
+ATOL = 1e-5
+
+
+# -- the model: messages between stages are a tensor, a tuple (with an int tensor) and a dict --
+
+
+class Fork(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.tanh(x), x * 0.5, (x[:, 0] > 0).long()  # per sample, so splitting changes nothing
+
+
+class ToDict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        a, b, parity = inputs
+        return {"a": self.linear(a), "b": b, "parity": parity}
+
+
+class Merge(nn.Module):
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return inputs["a"] + inputs["b"] * inputs["parity"].unsqueeze(1)
+
+
+class Switch(nn.Module):
+    """Identity, unless a test sets `mode` to misbehave."""
+
+    mode = "ok"
+
+    def forward(self, x: Any) -> Any:
+        if Switch.mode == "string":
+            return "not a tensor"
+        if Switch.mode == "raise":
+            raise RuntimeError("boom in forward")
+        if Switch.mode == "raise_in_backward":
+            return {**x, "a": _RaiseInBackward.apply(x["a"])} if isinstance(x, dict) else _RaiseInBackward.apply(x)
+        return x
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom in backward")
+
+
+def make_layers() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Linear(6, 16), nn.Tanh(), Fork(), ToDict(), Switch(), Merge(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)]
+
+
+# Cut after Fork (a tuple with an int tensor travels) and after Switch (a dict travels);
+# with 3 stages Switch ends the middle stage, where a bad output must be caught.
+BALANCE = {1: [9], 2: [3, 6], 3: [3, 2, 4]}
+
+
+def make_batches(total: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    sizes = BATCHES if total is None else [total] * STEPS
+    return [(torch.randn(n, 6, generator=generator), torch.randint(0, 3, (n,), generator=generator)) for n in sizes]
+
+
+def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def reference_training(layers: list[nn.Module], optimizer_name: str, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                       loss_fn: Callable[..., torch.Tensor] = F.cross_entropy) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = nn.Sequential(*layers)
+    optimizer = make_optimizer(optimizer_name, model.parameters())
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def _stage_of(groups: Any) -> int:
+    return groups.stage_ranks.index(dist.get_rank()) if dist.is_initialized() else 0
+
+
+def _max_diff(stage_state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    return max((float((v - reference[k]).abs().max()) for k, v in stage_state.items()), default=0.0)
+
+
+# -- workers (run in every process) --------------------------------------------------------
+
+
+def equivalence_worker(num_stages: int) -> dict[str, Any]:
+    groups = build_process_groups(discover(), stages=num_stages)
+    stage_id = _stage_of(groups)
+    batches = make_batches()
+    references = {name: reference_training(make_layers(), name, batches) for name in OPTIMIZERS}
+    results: dict[str, Any] = {}
+    for chunks, schedule, checkpoint, optimizer_name in itertools.product(CHUNKS, SCHEDULE_NAMES, CHECKPOINTS, OPTIMIZERS):
+        pipe = build_pipeline(
+            make_layers(), stage_id=stage_id, num_stages=num_stages, balance=BALANCE[num_stages],
+            stage_ranks=groups.stage_ranks, stage_group=groups.stage, chunks=chunks, schedule=schedule,
+            checkpoint=checkpoint,
+        )
+        optimizer = make_optimizer(optimizer_name, pipe.parameters())
+        losses = []
+        for x, y in batches:
+            optimizer.zero_grad()
+            losses.append(pipe.train_step(x, y, F.cross_entropy).item())
+            optimizer.step()
+        state, reference_losses = references[optimizer_name]
+        key = f"M={chunks} {schedule} checkpoint={checkpoint} {optimizer_name}"
+        results[key] = {
+            "param_diff": _max_diff(pipe.module.state_dict(), state),
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, reference_losses)),
+        }
+    # Evaluation after training: the last stage returns the unsplit model's output.
+    pipe.eval()
+    reference_model = nn.Sequential(*make_layers())
+    reference_model.load_state_dict(references[OPTIMIZERS[-1]][0])
+    x = batches[0][0]
+    output = pipe.eval_step(x)
+    with torch.no_grad():
+        expected = reference_model.eval()(x)
+    results["eval"] = None if output is None else float((output - expected).abs().max())
+    return results
+
+
+def p2p_round_trip(groups: Any, stage_id: int) -> bool:
+    """Every dtype, nesting and a header longer than one message survive the trip both ways."""
+    value = {
+        "a much longer key than usual, to push the header past its first message": torch.randn(3, 2),
+        "dtypes": [torch.arange(4, dtype=d) for d in (torch.int8, torch.int32, torch.int64, torch.uint8, torch.float16,
+                                                       torch.bfloat16, torch.float64)],
+        "flags": (torch.tensor([True, False]), torch.zeros(0, 5), torch.tensor(7.0, requires_grad=True)),
+        "gradient slot": None,
+    }
+    peer = groups.stage_ranks[1 - stage_id]
+    pending: list[Any] = []
+    if stage_id == 0:
+        p2p.send_value(value, microbatch=3, microbatch_size=2, batch_size=9, peer=peer, group=groups.stage,
+                       device=torch.device("cpu"), pending=pending, allow_none=True)
+        back = p2p.recv_message(peer, groups.stage, torch.device("cpu"))
+    else:
+        back = p2p.recv_message(peer, groups.stage, torch.device("cpu"))
+        p2p.send_value(back.value, microbatch=back.microbatch, microbatch_size=back.microbatch_size,
+                       batch_size=back.batch_size, peer=peer, group=groups.stage, device=torch.device("cpu"),
+                       pending=pending, allow_none=True)
+    for work, _ in pending:
+        work.wait()
+    got = back.value
+    same = [torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(iter_tensors(value), iter_tensors(got))]
+    return (
+        (back.microbatch, back.microbatch_size, back.batch_size) == (3, 2, 9)
+        and list(got) == list(value) and all(same) and len(same) == 11
+        and got["gradient slot"] is None and isinstance(got["flags"], tuple) and isinstance(got["dtypes"], list)
+        and got["flags"][2].requires_grad and not got["flags"][0].requires_grad
+    )
+
+
+def two_stage_worker(trace_dir: str) -> dict[str, Any]:
+    results = equivalence_worker(2)
+    groups = build_process_groups(discover(), stages=2)
+    stage_id = _stage_of(groups)
+    results["p2p"] = p2p_round_trip(groups, stage_id)
+    results["batchnorm"] = batchnorm_checks(groups, stage_id)
+    results["timeline"] = timeline_checks(groups, stage_id, trace_dir)
+    results["time_balance"] = time_balance_check(groups)
+    return results
+
+
+def three_stage_worker() -> dict[str, Any]:
+    results = equivalence_worker(3)
+    groups = build_process_groups(discover(), stages=3)
+    results["errors"] = error_checks(groups, _stage_of(groups))
+    return results
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def _expect_failure(run: Callable[[], Any]) -> str:
+    try:
+        run()
+    except PipelineError as error:
+        return str(error)
+    return "no error"
+
+
+def error_checks(groups: Any, stage_id: int) -> dict[str, Any]:
+    K = len(groups.stage_ranks)
+    outcomes: dict[str, Any] = {}
+    for schedule in SCHEDULE_NAMES:
+        pipe = build_pipeline(make_layers(), stage_id=stage_id, num_stages=K, balance=BALANCE[K],
+                              stage_ranks=groups.stage_ranks, stage_group=groups.stage, chunks=4, schedule=schedule)
+        x, y = make_batches()[0]
+        cases: dict[str, Callable[[], Any]] = {
+            "small_batch": lambda: pipe.train_step(x[:2], y[:2], F.cross_entropy),
+            "non_scalar_loss": lambda: pipe.train_step(x, y, lambda o, t: F.cross_entropy(o, t, reduction="none")),
+            "target_mismatch": lambda: pipe.train_step(x, y[:10], F.cross_entropy),
+            "no_loss_fn": lambda: pipe.train_step(x, y, None),
+            "eval_small_batch": lambda: pipe.eval_step(x[:3]),
+        }
+        for name, run in cases.items():
+            outcomes[f"{schedule} {name}"] = _expect_failure(run)
+        for mode in ["string", "raise", "raise_in_backward"]:
+            Switch.mode = mode
+            try:
+                outcomes[f"{schedule} {mode}"] = _expect_failure(lambda: pipe.train_step(x, y, F.cross_entropy))
+            finally:
+                Switch.mode = "ok"
+        # After all those failures the pipeline still works and agrees with one process.
+        for p in pipe.parameters():
+            p.grad = None
+        loss = pipe.train_step(x, y, F.cross_entropy)
+        expected = F.cross_entropy(nn.Sequential(*make_layers())(x), y)
+        outcomes[f"{schedule} recovered"] = abs(loss.item() - expected.item())
+    return outcomes
+
+
+# -- batch norm ------------------------------------------------------------------------------
+
+
+def make_bn_layers() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh(),
+            nn.Linear(16, 3)]
+
+
+def microbatched_reference(chunks: int, batches: list[tuple[torch.Tensor, torch.Tensor]], deferred: bool) -> dict[str, torch.Tensor]:
+    """One process, plain nn.BatchNorm, a loop over micro-batches; deferred statistics computed by hand."""
+    model = nn.Sequential(*make_bn_layers())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    bns = [m for m in model if isinstance(m, nn.BatchNorm1d)]
+    seen: dict[int, list[torch.Tensor]] = {id(bn): [] for bn in bns}
+    handles = [bn.register_forward_pre_hook(lambda m, args: seen[id(m)].append(args[0].detach())) for bn in bns]
+    for x, y in batches:
+        optimizer.zero_grad()
+        saved = {id(bn): (bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone()) for bn in bns}
+        for bn in bns:
+            seen[id(bn)].clear()
+        for xs, ys in zip(torch.tensor_split(x, chunks), torch.tensor_split(y, chunks)):
+            (F.cross_entropy(model(xs), ys) * len(xs) / len(x)).backward()
+        optimizer.step()
+        if deferred:  # running statistics of the whole mini-batch, updated once
+            for bn in bns:
+                full = torch.cat(seen[id(bn)])
+                mean, var, tracked = saved[id(bn)]
+                bn.running_mean.copy_(0.9 * mean + 0.1 * full.mean(0))
+                bn.running_var.copy_(0.9 * var + 0.1 * full.var(0, unbiased=True))
+                bn.num_batches_tracked.copy_(tracked + 1)
+    for handle in handles:
+        handle.remove()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def full_batch_statistics(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    model = nn.Sequential(*make_bn_layers())
+    model(x)
+    return {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+
+
+def batchnorm_checks(groups: Any, stage_id: int) -> dict[str, float]:
+    batches = make_batches()
+    chunks = 4
+    diffs: dict[str, float] = {}
+    for deferred in (False, True):
+        reference = microbatched_reference(chunks, batches, deferred)
+        for schedule, checkpoint in itertools.product(SCHEDULE_NAMES, CHECKPOINTS):
+            pipe = build_pipeline(make_bn_layers(), stage_id=stage_id, num_stages=2, balance=[3, 4],
+                                  stage_ranks=groups.stage_ranks, stage_group=groups.stage, chunks=chunks,
+                                  schedule=schedule, checkpoint=checkpoint, deferred_batchnorm=deferred)
+            optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+            for step, (x, y) in enumerate(batches):
+                optimizer.zero_grad()
+                pipe.train_step(x, y, F.cross_entropy)
+                optimizer.step()
+                if deferred and step == 0:
+                    # One step in, the first batch norm (whose input does not depend on how
+                    # earlier layers normalised) has exactly the unsplit model's statistics.
+                    full = full_batch_statistics(x)
+                    diffs[f"deferred {schedule} {checkpoint} first step vs full batch"] = _max_diff(
+                        {k: v for k, v in pipe.module.state_dict().items() if k.startswith("1.running")}, full)
+            state = pipe.module.state_dict()
+            key = f"{'deferred' if deferred else 'per-micro-batch'} {schedule} {checkpoint}"
+            diffs[key] = _max_diff(state, reference)
+            tracked = [int(v) for k, v in state.items() if k.endswith("num_batches_tracked")]
+            diffs[key + " tracked-miscount"] = float(sum(abs(t - STEPS * (1 if deferred else chunks)) for t in tracked))
+    return diffs
+
+
+# -- timeline and balance ------------------------------------------------------------------
+
+
+def timeline_checks(groups: Any, stage_id: int, trace_dir: str) -> dict[str, Any]:
+    pipe = build_pipeline(make_layers(), stage_id=stage_id, num_stages=2, balance=BALANCE[2],
+                          stage_ranks=groups.stage_ranks, stage_group=groups.stage, chunks=4, schedule="1f1b")
+    x, y = make_batches()[0]
+    pipe.train_step(x, y, F.cross_entropy)
+    events = pipe.gather_timeline()
+    if stage_id == 0:
+        write_chrome_trace(events, os.path.join(trace_dir, "trace.json"))
+        plot_gantt(events, os.path.join(trace_dir, "gantt.png"), title="1F1B, 2 stages x 4")
+    return {
+        "count": len(events),
+        "stages": sorted({e.stage for e in events}),
+        "ordered": all(e.end >= e.start for e in events),
+        "bubble": bubble_fraction(events),
+    }
+
+
+class Sleep(nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(self.seconds)
+        return x + 0
+
+
+def time_balance_check(groups: Any) -> list[int]:
+    layers = [Sleep(0.02), Sleep(0.0), Sleep(0.0), Sleep(0.02), Sleep(0.0)]
+    return agreed_balance(layers, 2, "time", sample=torch.randn(2, 2), group=groups.stage)
+
+
+# -- replicas x stages -------------------------------------------------------------------------
+
+
+def replicas_worker() -> dict[str, float]:
+    stages = 2
+    groups = build_process_groups(discover(), stages=stages)
+    stage_id = _stage_of(groups)
+    replicas = len(groups.replica_ranks)
+    replica_id = groups.replica_ranks.index(dist.get_rank())
+    batches = make_batches(total=16)
+    diffs: dict[str, float] = {}
+    for schedule, optimizer_name in itertools.product(SCHEDULE_NAMES, OPTIMIZERS):
+        reference, reference_losses = reference_training(make_layers(), optimizer_name, batches)
+        pipe = build_pipeline(make_layers(), stage_id=stage_id, num_stages=stages, balance=BALANCE[2],
+                              stage_ranks=groups.stage_ranks, stage_group=groups.stage, chunks=4, schedule=schedule,
+                              replica=replica_id)
+        optimizer = make_optimizer(optimizer_name, pipe.parameters())
+        loss_diff = 0.0
+        for (x, y), expected in zip(batches, reference_losses):
+            shard = slice(replica_id * len(x) // replicas, (replica_id + 1) * len(x) // replicas)
+            optimizer.zero_grad()
+            loss = pipe.train_step(x[shard], y[shard], F.cross_entropy)
+            for p in pipe.parameters():
+                dist.all_reduce(p.grad, group=groups.replica)
+                p.grad /= replicas
+            dist.all_reduce(loss, group=groups.replica)
+            loss_diff = max(loss_diff, abs(loss.item() / replicas - expected))
+            optimizer.step()
+        diffs[f"{schedule} {optimizer_name}"] = _max_diff(pipe.module.state_dict(), reference)
+        diffs[f"{schedule} {optimizer_name} loss"] = loss_diff
+    return diffs
+
+
+# -- fixtures: one launch per pipeline shape ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trace_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("pipeline_trace"))
+
+
+@pytest.fixture(scope="module")
+def two_stages(trace_dir: str) -> list[dict[str, Any]]:
+    return run_replicas(two_stage_worker, 2, trace_dir, timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def three_stages() -> list[dict[str, Any]]:
+    return run_replicas(three_stage_worker, 3, timeout_s=240)
+
+
+def _check_equivalence(results: list[dict[str, Any]]) -> None:
+    configs = [k for k in results[0] if k.startswith("M=")]
+    assert len(configs) == len(CHUNKS) * len(SCHEDULE_NAMES) * len(CHECKPOINTS) * len(OPTIMIZERS)
+    bad = {
+        (rank, key): value
+        for rank, result in enumerate(results)
+        for key, value in result.items()
+        if key.startswith("M=") and (value["param_diff"] > ATOL or value["loss_diff"] > ATOL)
+    }
+    assert not bad, f"pipeline differs from single-process training: {bad}"
+
+
+def test_two_stages_train_like_one_process(two_stages: list[dict[str, Any]]) -> None:
+    _check_equivalence(two_stages)
+
+
+def test_three_stages_train_like_one_process(three_stages: list[dict[str, Any]]) -> None:
+    _check_equivalence(three_stages)
+
+
+def test_eval_step_returns_the_output_on_the_last_stage(three_stages: list[dict[str, Any]]) -> None:
+    assert [r["eval"] is None for r in three_stages] == [True, True, False]
+    assert three_stages[-1]["eval"] < ATOL
+
+
+def test_failures_are_raised_on_every_stage(three_stages: list[dict[str, Any]]) -> None:
+    expected = {
+        "small_batch": "cannot be split into 4 micro-batches",
+        "non_scalar_loss": "loss_fn must return a scalar",
+        "target_mismatch": "the targets hold 10 samples but the inputs 16",
+        "no_loss_fn": "needs a loss_fn",
+        "eval_small_batch": "cannot be split into 4 micro-batches",
+        "string": "is a str",
+        "raise": "boom in forward",
+        "raise_in_backward": "boom in backward",
+    }
+    for rank, result in enumerate(three_stages):
+        errors = result["errors"]
+        for schedule in SCHEDULE_NAMES:
+            for case, text in expected.items():
+                message = errors[f"{schedule} {case}"]
+                assert text in message, f"rank {rank}, {schedule} {case}: {message}"
+                assert "stage" in message and "pipeline step failed" in message
+            assert errors[f"{schedule} recovered"] < ATOL
+
+
+def test_batchnorm_statistics_are_never_counted_twice(two_stages: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(two_stages):
+        bad = {k: v for k, v in result["batchnorm"].items() if v > ATOL}
+        assert not bad, f"rank {rank}: {bad}"
+        assert len(result["batchnorm"]) == 2 * 2 * len(SCHEDULE_NAMES) * len(CHECKPOINTS) + len(SCHEDULE_NAMES) * len(CHECKPOINTS)
+
+
+def test_timeline_exports(two_stages: list[dict[str, Any]], trace_dir: str) -> None:
+    for result in two_stages:
+        timeline = result["timeline"]
+        assert timeline["stages"] == [0, 1] and timeline["ordered"]
+        # stage 0: 4 F, 4 B, 4 sends, 4 receives; stage 1 the same.
+        assert timeline["count"] == 32
+        assert 0.0 <= timeline["bubble"] < 1.0
+    with open(os.path.join(trace_dir, "trace.json")) as file:
+        trace = json.load(file)
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == 32 and {e["tid"] for e in complete} == {0, 1}
+    assert {"forward", "backward", "send_activation", "recv_gradient"} <= {e["cat"] for e in complete}
+    with open(os.path.join(trace_dir, "gantt.png"), "rb") as file:
+        assert file.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_messages_carry_any_structure_of_tensors(two_stages: list[dict[str, Any]]) -> None:
+    assert [r["p2p"] for r in two_stages] == [True, True]
+
+
+def test_time_balance_is_agreed_by_every_stage(two_stages: list[dict[str, Any]]) -> None:
+    balances = [r["time_balance"] for r in two_stages]
+    assert balances[0] == balances[1]
+    assert balances[0] in ([1, 4], [2, 3], [3, 2])  # the two slow layers in different stages
+
+
+def test_two_replicas_of_two_stages_train_like_one_process() -> None:
+    results = run_replicas(replicas_worker, 4, timeout_s=240)
+    bad = {(rank, k): v for rank, r in enumerate(results) for k, v in r.items() if v > ATOL}
+    assert not bad, f"2 replicas x 2 stages differ from single-process training: {bad}"
+
+
+def test_single_stage_pipeline_without_distributed() -> None:
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        batches = make_batches()
+        reference, reference_losses = reference_training(make_layers(), "sgd", batches)
+        quiet_backwards = []
+
+        @contextlib.contextmanager
+        def no_sync() -> Iterator[None]:
+            quiet_backwards.append(1)
+            yield
+
+        pipe = build_pipeline(make_layers(), stage_id=0, num_stages=1, chunks=4, schedule="1f1b", checkpoint="always",
+                              no_sync=no_sync)
+        optimizer = make_optimizer("sgd", pipe.parameters())
+        for (x, y), expected in zip(batches, reference_losses):
+            optimizer.zero_grad()
+            assert pipe.train_step(x, y, F.cross_entropy).item() == pytest.approx(expected, abs=ATOL)
+            optimizer.step()
+        assert _max_diff(pipe.module.state_dict(), reference) < ATOL
+        assert len(quiet_backwards) == STEPS * 3  # every backward but the last of each step
+        with pytest.raises(PipelineError, match="loss_fn must return a scalar"):
+            pipe.train_step(x, y, lambda o, t: o)
+        with pytest.raises(ValueError, match="needs torch.distributed"):
+            build_pipeline(make_layers(), stage_id=0, num_stages=2, balance=[4, 5])
+    finally:
+        torch.set_num_threads(torch_threads)
