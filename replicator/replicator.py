@@ -48,11 +48,19 @@ class Replicator:
         timeout_s: a collective that waits longer than this raises instead of hanging
             (default 300 s, or REPLICATOR_TIMEOUT).
         debug: also fingerprint every gradient bucket (default: REPLICATOR_DEBUG=1).
+        stages, chunks, schedule, checkpoint: pipeline model parallelism (GPipe). The job's
+            processes form replicas × stages; `repl.pipeline(layers)` returns this process's
+            stage, which splits each batch into `chunks` micro-batches and runs `schedule`
+            ("gpipe" or "1f1b"), re-materializing activations per `checkpoint`.
     """
 
     def __init__(
         self,
         *,
+        stages: int = 1,
+        chunks: int = 1,
+        schedule: str = "gpipe",
+        checkpoint: str = "except_last",
         reducer: str | Reducer = "flat",
         bucket_cap_mb: float = 25.0,
         timeout_s: float | None = None,
@@ -64,7 +72,11 @@ class Replicator:
             torch.set_num_threads(int(threads))
         timeout_s = float(os.environ.get("REPLICATOR_TIMEOUT", DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
         self._created_process_group = self.topology.distributed and not dist.is_initialized()
-        self.groups = build_process_groups(self.topology, stages=1, timeout_s=timeout_s)
+        if stages < 1 or chunks < 1:
+            raise ReplicatorUsageError(f"stages and chunks must be at least 1, got stages={stages}, chunks={chunks}")
+        self.groups = build_process_groups(self.topology, stages=stages, timeout_s=timeout_s)
+        self.num_stages, self.chunks, self.schedule, self.checkpoint = stages, chunks, schedule, checkpoint
+        self.stage_id = self.groups.stage_ranks.index(self.topology.rank)
         if self._created_process_group:
             atexit.register(self.close)
         self.debug = _env_flag("REPLICATOR_DEBUG") if debug is None else debug
@@ -206,6 +218,25 @@ class Replicator:
 
         scheduler.step = types.MethodType(step, scheduler)
         return scheduler
+
+    def pipeline(self, layers: Any, balance: Any = "params", *, sample: Any = None,
+                 deferred_batchnorm: bool = False) -> Any:
+        """This process's stage of `layers` (a list of modules or an nn.Sequential).
+
+        Every process builds the whole model the same way; the stage keeps its share. Call
+        `pipe.train_step(inputs, targets, loss_fn)` in step_fn and wrap an optimizer over
+        `pipe.parameters()`: gradients are then averaged across the replicas of each stage.
+        `balance` is a list of layer counts, "params", or "time" (profiled on `sample`).
+        """
+        from replicator.pipeline import build_pipeline
+
+        return build_pipeline(
+            layers, stage_id=self.stage_id, num_stages=self.num_stages, balance=balance,
+            stage_ranks=self.groups.stage_ranks, stage_group=self.groups.stage, chunks=self.chunks,
+            schedule=self.schedule, checkpoint=self.checkpoint, device=self.device, sample=sample,
+            deferred_batchnorm=deferred_batchnorm, balance_group=self.groups.control,
+            replica=self.replica_id, no_sync=self.no_sync,
+        )
 
     # -- gradients ---------------------------------------------------------------------
     def accumulate(self, micro_steps: int) -> None:

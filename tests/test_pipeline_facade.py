@@ -1,0 +1,74 @@
+"""Replicator(stages=K, chunks=M): replicas × stages through the facade equal one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import replicator as rp
+from replicator.testing import ReplicaFailure, run_replicas
+
+GLOBAL_BATCH, STEPS, BALANCE = 16, 3, [2, 3]
+
+
+def layers() -> list[torch.nn.Module]:
+    torch.manual_seed(0)  # every process builds the same whole model; each keeps its stage
+    return [torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)]
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(GLOBAL_BATCH, 6, generator=generator), torch.randint(0, 3, (GLOBAL_BATCH,), generator=generator)
+
+
+def replica_stage(schedule: str) -> tuple[int, list[torch.Tensor], list[float]]:
+    repl = rp.Replicator(stages=2, chunks=2, schedule=schedule)
+    with repl.scope():
+        pipe = repl.pipeline(layers(), balance=BALANCE)
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9))
+
+    def input_fn(ctx: rp.InputContext):
+        share = ctx.per_replica_batch_size(GLOBAL_BATCH)
+        for step in range(STEPS):
+            x, y = batch(step)
+            yield x[ctx.replica_id * share : (ctx.replica_id + 1) * share], y[ctx.replica_id * share : (ctx.replica_id + 1) * share]
+
+    def step_fn(ctx: rp.ReplicaContext, data):
+        optimizer.zero_grad()
+        loss = pipe.train_step(data[0], data[1], F.cross_entropy)
+        optimizer.step()
+        return ctx.all_mean(loss)
+
+    losses = [float(loss) for _, loss in repl.run(step_fn, repl.prepare_input(input_fn))]
+    return repl.stage_id, [p.detach().clone() for p in pipe.parameters()], losses
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_replicas_by_two_stages_match_one_process(schedule: str) -> None:
+    model = torch.nn.Sequential(*layers())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    expected_losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        expected_losses.append(float(loss.detach()))
+    stage_params = [list(model[:2].parameters()), list(model[2:].parameters())]
+    for stage, params, losses in run_replicas(replica_stage, 4, schedule, timeout_s=180):
+        assert losses == pytest.approx(expected_losses, abs=1e-5)
+        for got, want in zip(params, stage_params[stage], strict=True):
+            assert torch.allclose(got, want.detach(), atol=1e-5, rtol=0)
+
+
+def wrong_stage_count() -> None:
+    rp.Replicator(stages=3)
+
+
+def test_stages_that_do_not_divide_the_world_fail_everywhere() -> None:
+    with pytest.raises(ReplicaFailure) as caught:
+        run_replicas(wrong_stage_count, 2, timeout_s=60)
+    assert [e.rank for e in caught.value.errors] == [0, 1]
+    assert all("stages=3 does not divide the world size 2" in e.message for e in caught.value.errors)
