@@ -80,7 +80,7 @@ class Replicator:
         if self._created_process_group:
             atexit.register(self.close)
         self.debug = _env_flag("REPLICATOR_DEBUG") if debug is None else debug
-        self.reducer = make_reducer(reducer)
+        self.reducer = make_reducer(reducer, self.groups)
         self.bucket_cap_bytes = int(bucket_cap_mb * (1 << 20))
         self.num_replicas = len(self.groups.replica_ranks)
         self.replica_id = self.groups.replica_ranks.index(self.topology.rank)

@@ -7,6 +7,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from replicator.topology import ProcessGroups
+
 __all__ = ["Reducer", "PendingReduction", "FlatReducer", "make_reducer"]
 
 
@@ -35,8 +37,12 @@ class FlatReducer:
         return work
 
 
-def make_reducer(spec: "str | Reducer") -> Reducer:
-    """A reducer from its name, or the reducer object itself."""
+def make_reducer(spec: "str | Reducer", groups: ProcessGroups | None = None) -> Reducer:
+    """A reducer from its name, or the reducer object itself.
+
+    `groups` (the job's process groups) lets topology-aware reducers find the intra- and
+    inter-node groups.
+    """
     if not isinstance(spec, str):
         return spec
     if spec == "flat":

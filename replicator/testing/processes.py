@@ -34,10 +34,12 @@ class ReplicaFailure(AssertionError):
         super().__init__(f"{len(errors)} replica(s) failed:\n{details}")
 
 
-def _worker(rank: int, world_size: int, port: int, env: dict[str, str], fn: Callable[..., Any], args: tuple, results: Any) -> None:
+def _worker(rank: int, world_size: int, local_world_size: int, port: int, env: dict[str, str],
+            fn: Callable[..., Any], args: tuple, results: Any) -> None:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % local_world_size),
+        LOCAL_WORLD_SIZE=str(local_world_size), GROUP_RANK=str(rank // local_world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
         REPLICATOR_THREADS="1", REPLICATOR_PROGRESS="0",
     )
     os.environ.update(env)
@@ -57,20 +59,24 @@ def _worker(rank: int, world_size: int, port: int, env: dict[str, str], fn: Call
 
 
 def run_replicas(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None) -> list[Any]:
+                 env: dict[str, str] | None = None, local_world_size: int | None = None) -> list[Any]:
     """Run `fn(*args)` on `world_size` processes; return their results in rank order.
 
     Each process sees torchrun's variables (RANK, WORLD_SIZE, ...) so `rp.Replicator()`
     joins the group as it would under `replicator launch`. `fn` must be importable (a
-    module-level function). If any rank raises, ReplicaFailure lists every rank's error;
+    module-level function). `local_world_size` < world_size pretends the processes sit on
+    world_size / local_world_size nodes (all on loopback), for hierarchical code paths. If any rank raises, ReplicaFailure lists every rank's error;
     if any rank is still running after `timeout_s`, all are killed and TimeoutError names them.
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "replicator"])
     results = context.Queue()
     port = free_port()
+    local_world_size = local_world_size or world_size
+    if world_size % local_world_size:
+        raise ValueError(f"local_world_size {local_world_size} does not divide world_size {world_size}")
     processes = [
-        context.Process(target=_worker, args=(rank, world_size, port, env or {}, fn, args, results), daemon=True)
+        context.Process(target=_worker, args=(rank, world_size, local_world_size, port, env or {}, fn, args, results), daemon=True)
         for rank in range(world_size)
     ]
     for process in processes:
