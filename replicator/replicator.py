@@ -42,8 +42,10 @@ class Replicator:
     """Runs single-device `input_fn`/`step_fn` code on every replica of the job.
 
     Args:
-        reducer: how gradient buckets are summed across replicas ("flat", or an object
-            with a `reduce(buffer, group)` method).
+        reducer: how gradient buckets are summed across replicas: "flat" (one all-reduce),
+            "auto", "hierarchical" (DDL-style, per node then across nodes),
+            "hierarchical:XxYxZ", "fp16"/"bf16" (+"+ef" error feedback), "powersgd:R" — see
+            replicator.sync.reducers.REDUCER_NAMES — or an object with `reduce(buffer, group, bucket)`.
         bucket_cap_mb: gradient bucket size; larger buckets mean fewer, bigger messages.
         timeout_s: a collective that waits longer than this raises instead of hanging
             (default 300 s, or REPLICATOR_TIMEOUT).
@@ -80,7 +82,7 @@ class Replicator:
         if self._created_process_group:
             atexit.register(self.close)
         self.debug = _env_flag("REPLICATOR_DEBUG") if debug is None else debug
-        self.reducer = make_reducer(reducer, self.groups)
+        self.reducer = make_reducer(reducer, self.groups, timeout_s=timeout_s)
         self.bucket_cap_bytes = int(bucket_cap_mb * (1 << 20))
         self.num_replicas = len(self.groups.replica_ranks)
         self.replica_id = self.groups.replica_ranks.index(self.topology.rank)
@@ -402,6 +404,7 @@ class Replicator:
         """Release the process groups (called at exit when replicator created them)."""
         for wrapped in self._wrapped:
             wrapped.synchronizer.remove()
+        getattr(self.reducer, "close", lambda: None)()
         if self._created_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._created_process_group = False

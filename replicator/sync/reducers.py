@@ -1,15 +1,33 @@
-"""Reducers: how one flat gradient bucket is summed across replicas. Pluggable."""
+"""Reducers: how one flat gradient bucket is summed across replicas. Pluggable, chosen by name."""
 
 from __future__ import annotations
 
-from typing import Protocol
+import inspect
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 
-from replicator.topology import ProcessGroups
+from replicator.sync.compression import CastReducer
+from replicator.sync.hierarchical import HierarchicalReducer, HierarchicalSum, plan_levels, processes_per_node
+from replicator.sync.powersgd import PowerSGDReducer
+from replicator.sync.summation import FlatSum, Summation, replica_partition
+from replicator.topology import DEFAULT_TIMEOUT_S, ProcessGroups
 
-__all__ = ["Reducer", "PendingReduction", "FlatReducer", "make_reducer"]
+if TYPE_CHECKING:
+    from replicator.sync.bucket import Bucket
+
+__all__ = ["Reducer", "PendingReduction", "FlatReducer", "make_reducer", "parse_reducer", "ReducerSpec", "REDUCER_NAMES"]
+
+REDUCER_NAMES = (
+    "'flat', 'auto' (hierarchical across nodes, else flat), 'hierarchical', 'hierarchical:XxYxZ' (alias "
+    "'multilevel:XxYxZ'; level sizes innermost first, e.g. 4x2x2 = 4 per node x 2 nodes per rack x 2 racks), "
+    "'fp16', 'bf16' (add '+ef' for error feedback), 'powersgd:R' (rank R; '+noef' turns its error feedback off); "
+    "a compressed one may name its topology after '@', e.g. 'fp16+ef@hierarchical' or 'powersgd:4@auto'"
+)
 
 
 class PendingReduction(Protocol):
@@ -19,11 +37,18 @@ class PendingReduction(Protocol):
 
 
 class Reducer(Protocol):
-    """Sums `buffer` in place over `group`, asynchronously."""
+    """Sums `buffer` in place over `group`, asynchronously.
+
+    The synchronizer passes the `bucket` the buffer belongs to: its gradients end at
+    `bucket.numel`, after which come presence slots that must be summed exactly, and its
+    parameters give the gradients' shapes. The same bucket object comes back every round,
+    so a reducer with state (error feedback, PowerSGD's Q) keys it by the bucket. A reducer
+    may also have `close()`, which stops whatever it runs in the background.
+    """
 
     name: str
 
-    def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup) -> PendingReduction: ...
+    def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup, bucket: Bucket | None = None) -> PendingReduction: ...
 
 
 class FlatReducer:
@@ -31,20 +56,125 @@ class FlatReducer:
 
     name = "flat"
 
-    def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup) -> PendingReduction:
+    def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup, bucket: Bucket | None = None) -> PendingReduction:
         work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
         assert work is not None
         return work
 
 
-def make_reducer(spec: "str | Reducer", groups: ProcessGroups | None = None) -> Reducer:
-    """A reducer from its name, or the reducer object itself.
+class _WithoutBucket:
+    """Adapts a user's reducer written against the two-argument `reduce(buffer, group)`."""
 
-    `groups` (the job's process groups) lets topology-aware reducers find the intra- and
-    inter-node groups.
+    def __init__(self, reducer: object) -> None:
+        self.reducer = reducer
+        self.name = getattr(reducer, "name", type(reducer).__name__)
+
+    def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup, bucket: Bucket | None = None) -> PendingReduction:
+        return self.reducer.reduce(buffer, group)  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class ReducerSpec:
+    """A parsed reducer name: an optional compressor over a topology."""
+
+    topology: str  # "flat", "auto" or "hierarchical"
+    levels: tuple[int, ...] | None = None  # explicit hierarchical levels, innermost first
+    compressor: str | None = None  # "fp16", "bf16" or "powersgd"
+    rank: int = 0  # PowerSGD's rank
+    error_feedback: bool = False
+
+
+_LEVELS = re.compile(r"(?:hierarchical|multilevel):(\d+(?:x\d+)*)")
+
+
+def parse_reducer(spec: str) -> ReducerSpec:
+    """Parse a reducer name (see REDUCER_NAMES); ValueError for anything else."""
+
+    def unknown(why: str = "") -> ValueError:
+        return ValueError(f"unknown reducer {spec!r}{why}; available: {REDUCER_NAMES} (or pass an object with a reduce() method)")
+
+    text = spec.strip().lower()
+    head, at, topology_text = text.partition("@")
+    levels: tuple[int, ...] | None = None
+    if not at:
+        head, topology_text = (None, head) if not head.startswith(("fp16", "bf16", "powersgd")) else (head, "flat")
+    if topology_text in ("flat", "auto", "hierarchical"):
+        topology = topology_text
+    elif (match := _LEVELS.fullmatch(topology_text)) is not None:
+        topology, levels = "hierarchical", tuple(int(size) for size in match.group(1).split("x"))
+        if min(levels) < 1:
+            raise unknown(": level sizes must be at least 1")
+    else:
+        raise unknown()
+    if head is None:
+        return ReducerSpec(topology, levels)
+    compressor, *flags = head.split("+")
+    rank = 0
+    if compressor.startswith("powersgd"):
+        match = re.fullmatch(r"powersgd:(\d+)", compressor)
+        if match is None or int(match.group(1)) < 1:
+            raise unknown(": PowerSGD takes its rank, e.g. 'powersgd:4'")
+        compressor, rank = "powersgd", int(match.group(1))
+    elif compressor not in ("fp16", "bf16"):
+        raise unknown()
+    error_feedback = compressor == "powersgd"
+    for flag in flags:
+        if flag not in ("ef", "noef"):
+            raise unknown(f": {flag!r} is not a flag ('+ef' or '+noef')")
+        error_feedback = flag == "ef"
+    return ReducerSpec(topology, levels, compressor, rank, error_feedback)
+
+
+def make_reducer(spec: "str | Reducer", groups: ProcessGroups | None = None, *, timeout_s: float | None = None) -> Reducer:
+    """A reducer from its name (see REDUCER_NAMES), or the reducer object itself.
+
+    `groups` (the job's process groups) lets topology-aware and compressing reducers build
+    their own groups, which they do here, collectively: every rank must call make_reducer
+    with the same spec at the same point. With one replica nothing travels, so every name
+    gives the flat reducer (after its name is checked). `timeout_s` bounds the reducer's
+    collectives (default REPLICATOR_TIMEOUT, else 300 s).
     """
     if not isinstance(spec, str):
-        return spec
-    if spec == "flat":
+        if not callable(getattr(spec, "reduce", None)):
+            raise TypeError(f"a reducer is a name or an object with a reduce(buffer, group[, bucket]) method, got {spec!r}")
+        return spec if _takes_bucket(spec) else _WithoutBucket(spec)  # type: ignore[return-value]
+    parsed = parse_reducer(spec)
+    if groups is None:
+        if dist.is_initialized() and (parsed.topology != "flat" or parsed.compressor is not None):
+            raise ValueError(f"reducer {spec!r} needs the job's process groups: make_reducer({spec!r}, groups)")
         return FlatReducer()
-    raise ValueError(f"unknown reducer {spec!r}; available: 'flat' (or pass an object with a reduce() method)")
+    if groups.replica is None or len(groups.replica_ranks) == 1:
+        return FlatReducer()
+    timeout_s = float(os.environ.get("REPLICATOR_TIMEOUT", DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
+    return _build(spec, parsed, groups, timeout_s)
+
+
+def _build(spec: str, parsed: ReducerSpec, groups: ProcessGroups, timeout_s: float) -> Reducer:
+    levels: tuple[int, ...] | None = None
+    if parsed.topology != "flat":
+        partition = replica_partition(groups)
+        if parsed.topology == "auto":
+            try:
+                inner, outer = plan_levels(partition, processes_per_node(groups), None, spec)
+            except ValueError:  # replicas spread unevenly over nodes: flat is the safe choice
+                inner, outer = 1, 1
+            # Hierarchy pays only when a node holds several replicas and there are several nodes.
+            levels = (inner, outer) if inner > 1 and outer > 1 else None
+        else:
+            levels = plan_levels(partition, processes_per_node(groups), parsed.levels, spec)
+    if parsed.compressor is None:
+        return FlatReducer() if levels is None else HierarchicalReducer(HierarchicalSum(groups, levels, timeout_s))
+    summation: Summation = FlatSum(groups, timeout_s) if levels is None else HierarchicalSum(groups, levels, timeout_s)
+    if parsed.compressor == "powersgd":
+        return PowerSGDReducer(summation, parsed.rank, error_feedback=parsed.error_feedback)
+    return CastReducer(summation, parsed.compressor, error_feedback=parsed.error_feedback)
+
+
+def _takes_bucket(reducer: object) -> bool:
+    try:
+        inspect.signature(reducer.reduce).bind(None, None, None)  # type: ignore[attr-defined]
+    except TypeError:
+        return False
+    except ValueError:  # no signature to inspect (a builtin): trust the current protocol
+        return True
+    return True

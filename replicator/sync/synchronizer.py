@@ -106,7 +106,7 @@ class GradientSynchronizer:
             self.agreement.require_same(f"gradient bucket {bucket.index} of {self.label}, {bucket.buffer.numel()} elements")
             self.on_wait(time.perf_counter() - started)
         bucket.launched = True
-        bucket.pending = self.reducer.reduce(bucket.buffer, self.group)  # type: ignore[arg-type]
+        bucket.pending = self.reducer.reduce(bucket.buffer, self.group, bucket)  # type: ignore[arg-type]
         self._next_bucket = bucket.index + 1
 
     def _flush(self) -> None:

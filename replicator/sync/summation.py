@@ -1,0 +1,75 @@
+"""Lossless, blocking sums over a reducer's private process groups, run on its worker thread."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from replicator.topology import ProcessGroups
+
+__all__ = ["Summation", "FlatSum", "replica_partition", "create_groups", "check_group"]
+
+
+class Summation(Protocol):
+    """Sums a tensor in place over the replicas of this stage; returns when done."""
+
+    name: str
+    size: int  # how many replicas contribute to the sum
+
+    def sum_(self, tensor: torch.Tensor) -> None: ...
+
+
+def replica_partition(groups: ProcessGroups) -> list[list[int]]:
+    """The world ranks of every stage's replica group, stage by stage (same list on every rank).
+
+    Replica-major layout: rank = replica * stages + stage.
+    """
+    stages = len(groups.stage_ranks)
+    replicas = len(groups.replica_ranks)
+    return [[r * stages + s for r in range(replicas)] for s in range(stages)]
+
+
+def create_groups(partition: list[list[int]], timeout_s: float) -> dist.ProcessGroup | None:
+    """Create one group per entry of `partition`, in order, on every rank; return this rank's.
+
+    new_group is collective over the whole job, so every rank must call this with the same
+    partition at the same point. The groups are the reducer's own: a worker thread's
+    collectives must never share a group with the caller's thread, whose collectives (the
+    user's ctx.all_sum, the flat reducer) would interleave differently on each replica.
+    """
+    me = dist.get_rank()
+    mine = None
+    for ranks in partition:
+        group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+        if me in ranks:
+            mine = group
+    return mine
+
+
+class FlatSum:
+    """One all-reduce over a private copy of the replica group."""
+
+    name = "flat"
+
+    def __init__(self, groups: ProcessGroups, timeout_s: float) -> None:
+        self.size = len(groups.replica_ranks)
+        self.group = create_groups(replica_partition(groups), timeout_s)
+
+    def sum_(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
+
+def check_group(group: dist.ProcessGroup, size: int, name: str, checked: set[int]) -> None:
+    """A reducer sums over its own copies of the replica groups; refuse a group of another size."""
+    if id(group) in checked:
+        return
+    actual = dist.get_world_size(group)
+    if actual != size:
+        raise ValueError(
+            f"reducer {name!r} was built for replica groups of {size} processes but was asked to reduce over a group "
+            f"of {actual}; build it with make_reducer(spec, groups) from the same job's process groups"
+        )
+    checked.add(id(group))

@@ -1,0 +1,103 @@
+"""A background thread that runs a reducer's multi-step reductions one at a time, in submission order."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+import torch
+
+__all__ = ["ReductionWorker", "PendingWork"]
+
+
+class PendingWork:
+    """One submitted reduction; `wait()` blocks until it ran and re-raises its error, if any."""
+
+    def __init__(self, job: Callable[[], None], label: str) -> None:
+        self.job = job
+        self.label = label
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def _run(self, earlier_failure: BaseException | None) -> BaseException | None:
+        try:
+            if earlier_failure is not None:
+                # The collectives of the failed job may be half issued, so the groups' sequences
+                # no longer match across replicas: running more would hang, not help.
+                raise RuntimeError(f"{self.label} was not run: an earlier reduction failed ({earlier_failure})")
+            self.job()
+        except BaseException as error:  # delivered to whoever waits, on the caller's thread
+            self._error = error
+        finally:
+            self._done.set()
+        return self._error
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+
+class ReductionWorker:
+    """Runs jobs FIFO on one daemon thread.
+
+    A reduction made of several dependent collectives (reduce-scatter, then all-reduce,
+    then all-gather) cannot be expressed as one async work handle on Gloo. Running every
+    job of a reducer on one thread, in the order the synchronizer launched them, keeps
+    each private group's sequence of collectives identical on every replica (no
+    deadlock), while the caller's thread goes on with the backward pass.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[PendingWork | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._failure: BaseException | None = None
+
+    def submit(self, job: Callable[[], None], label: str, device: torch.device | None = None) -> PendingWork:
+        work = PendingWork(_on_stream_after_caller(job, device), label)
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"replicator-{self.name}", daemon=True)
+                self._thread.start()
+        self._jobs.put(work)
+        return work
+
+    def _loop(self) -> None:
+        while True:
+            work = self._jobs.get()
+            if work is None:
+                return
+            error = work._run(self._failure)
+            if error is not None and self._failure is None:
+                self._failure = error
+
+    def close(self) -> None:
+        """Finish what was submitted, then stop the thread."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join()
+
+
+def _on_stream_after_caller(job: Callable[[], None], device: torch.device | None) -> Callable[[], None]:
+    """On CUDA, make the worker's stream wait for the caller's (which filled the buffer) and
+    finish before wait() returns, so the caller may read the result on any stream."""
+    if device is None or device.type != "cuda":
+        return job
+    filled = torch.cuda.Event()
+    filled.record(torch.cuda.current_stream(device))
+
+    def on_stream() -> None:
+        with torch.cuda.device(device):
+            torch.cuda.current_stream(device).wait_event(filled)
+            job()
+            torch.cuda.current_stream(device).synchronize()
+
+    return on_stream
