@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Sequence
@@ -28,6 +29,7 @@ _SIGNATURE_BYTES = 256
 _SITE_BYTES = 128
 _VALUE_SLOTS = 16
 _MESSAGE_BYTES = _SIGNATURE_BYTES + _SITE_BYTES + 8 * _VALUE_SLOTS
+_STRAGGLER_GRACE_S = 5.0
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -138,7 +140,10 @@ class PendingAgreement:
         if self._verdict is not None:
             return self._verdict
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except RuntimeError as error:
+                raise_with_stragglers(self.agreement.group, self.signature, error)
         half = len(self.values) + 1
         maxima = self._tensor[:half].tolist()
         minima = [-v for v in self._tensor[half:].tolist()]
@@ -147,6 +152,37 @@ class PendingAgreement:
             raise ReplicaMismatchError(describe_mismatch(intents, self.agreement.rank))
         self._verdict = Verdict(tuple(maxima[1:]), tuple(minima[1:]))
         return self._verdict
+
+
+def raise_with_stragglers(group: dist.ProcessGroup | None, where: str, error: BaseException) -> None:
+    """Re-raise a failed or timed-out collective naming the replicas that never arrived.
+
+    Costs nothing until something fails: only then does each replica leave a note in the
+    job's key-value store saying where it was stuck, wait briefly for the others' notes, and
+    report the replicas without one (still computing, stuck elsewhere, or dead).
+    """
+    from replicator.errors import ReplicatorError
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        ranks = dist.get_process_group_ranks(group) if group is not None else [0]
+        me = dist.get_rank()
+        store.set(f"replicator/stuck/{me}", where)
+        deadline = time.monotonic() + _STRAGGLER_GRACE_S
+        while time.monotonic() < deadline and not store.check([f"replicator/stuck/{r}" for r in ranks]):
+            time.sleep(0.1)
+        notes = {r: store.get(f"replicator/stuck/{r}").decode() for r in ranks if store.check([f"replicator/stuck/{r}"])}
+    except Exception:  # the store itself may be gone with a dead master: keep the original error
+        raise error
+    missing = [r for r in ranks if r not in notes]
+    elsewhere = {r: note for r, note in notes.items() if note != where}
+    lines = [f"a collective failed or timed out while rank {me} waited at '{where}': {error}".strip()]
+    if missing:
+        lines.append(f"  rank(s) {missing} never arrived (still computing, blocked outside a collective, or dead)")
+    for rank, note in sorted(elsewhere.items()):
+        lines.append(f"  rank {rank} was stuck at '{note}' instead")
+    lines.append("Raise REPLICATOR_TIMEOUT if a step legitimately takes longer; REPLICATOR_DEBUG=1 fingerprints every bucket.")
+    raise ReplicatorError("\n".join(lines)) from error
 
 
 def describe_mismatch(intents: list[Intent], me: int) -> str:

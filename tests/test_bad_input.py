@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -112,3 +114,27 @@ def test_wrap_optimizer_outside_scope() -> None:
 
 def test_step_inside_no_sync() -> None:
     expect_everywhere(step_inside_no_sync, "ReplicatorUsageError", "inside repl.no_sync()")
+
+
+def one_replica_stalls() -> None:
+    repl, model, optimizer = tiny_setup()
+
+    def step_fn(ctx, batch):
+        if ctx.replica_id == 1 and ctx.step == 1:
+            time.sleep(12)  # far past the 3 s timeout: a stuck replica
+        optimizer.zero_grad()
+        model(batch).pow(2).mean().backward()
+        optimizer.step()
+
+    for _ in repl.run(step_fn, [torch.ones(2, 3)] * 3):
+        pass
+
+
+def test_a_stalled_replica_is_named_instead_of_hanging() -> None:
+    started = time.monotonic()
+    with pytest.raises(ReplicaFailure) as caught:
+        run_replicas(one_replica_stalls, 2, timeout_s=60, env={"REPLICATOR_TIMEOUT": "3"})
+    first = next(e for e in caught.value.errors if e.rank == 0)
+    assert first.kind == "ReplicatorError"
+    assert "rank(s) [1] never arrived" in first.message
+    assert time.monotonic() - started < 45

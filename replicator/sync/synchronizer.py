@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from replicator.agreement import Agreement, PendingAgreement
+from replicator.agreement import Agreement, PendingAgreement, raise_with_stragglers
 from replicator.errors import ReplicatorUsageError
 from replicator.sync.bucket import Bucket, assign_buckets
 from replicator.sync.reducers import Reducer
@@ -124,7 +124,10 @@ class GradientSynchronizer:
             in_flight.wait()
         for bucket in self.buckets:
             if bucket.pending is not None:
-                bucket.pending.wait()
+                try:
+                    bucket.pending.wait()
+                except RuntimeError as error:
+                    raise_with_stragglers(self.agreement.group, f"gradient bucket {bucket.index} of {self.label}", error)
                 bucket.pending = None
         self.on_wait(time.perf_counter() - started)
 
