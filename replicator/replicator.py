@@ -197,6 +197,7 @@ class Replicator:
         wrapped.synchronizer = GradientSynchronizer(
             params, self.groups.replica, self.replica_agreement, self.reducer, self.bucket_cap_bytes, self._names, label,
             should_sync=lambda: self._no_sync_depth == 0 and wrapped.calls % self._accumulation == self._accumulation - 1,
+            accumulation=lambda: self._accumulation,
             on_wait=self._times.add_communication,
             debug=self.debug,
         )
@@ -275,7 +276,7 @@ class Replicator:
         for wrapped in {id(w): w for p in params if (w := self._owner.get(id(p)))}.values():
             if wrapped.calls % self._accumulation != self._accumulation - 1:
                 return None
-            wrapped.synchronizer.finalize(self._accumulation)
+            wrapped.synchronizer.finalize()
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     # -- input and the loop ------------------------------------------------------------
@@ -456,7 +457,7 @@ def _patch_optimizer(repl: Replicator, wrapped: _WrappedOptimizer) -> None:
         if wrapped.calls % repl._accumulation:
             return None
         if closure is None:
-            synchronizer.finalize(repl._accumulation)
+            synchronizer.finalize()
             result = original_step()
         else:
             if repl._accumulation != 1:

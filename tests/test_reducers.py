@@ -92,8 +92,9 @@ def test_cast_keeps_presence_exact_and_owes_what_it_rounded(replicas: int) -> No
     params = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(3))]
     (bucket,) = assign_buckets(params[::-1], 1 << 30, 1 << 30)
     params[0].grad = torch.tensor([1.0, 1 / 3, 1e-3 + 1e-6, -7.01, 300.3])
-    bucket.load(0)
-    bucket.load(1)  # params[1] has no gradient: absent
+    bucket.load(0, 1.0)
+    bucket.load(1, 1.0)  # params[1] has no gradient: absent
+    bucket.write_presence()
     sent = bucket.buffer[:5].clone()
     reducer._reduce(bucket.buffer, bucket)
     assert bucket.params == params and bucket.buffer[bucket.numel :].tolist() == [replicas, 0.0]
@@ -150,7 +151,8 @@ def _load(bucket: Bucket, rank: int, step: int, absent: set[int], active: bool =
     for position, param in enumerate(bucket.params):
         param.grad = None if position in absent else (_data(rank * 1000 + step * 10 + position, param.numel(), False)
                                                       .clamp(-50, 50).view_as(param) * active)
-        bucket.load(position)
+        bucket.load(position, 1.0)
+    bucket.write_presence()
 
 
 def _exact(bucket: Bucket, group: Any) -> torch.Tensor:
@@ -213,7 +215,8 @@ def _lossy(groups: Any) -> dict[str, Any]:
     params[0].grad = torch.outer(u, _data(100 + rank, 12, False).clamp(-5, 5))
     bucket.reset()
     for position in range(len(params)):
-        bucket.load(position)
+        bucket.load(position, 1.0)
+    bucket.write_presence()
     expected = _exact(bucket, group)
     reducer.reduce(bucket.buffer, group, bucket).wait()
     out["powersgd rank one"] = (bucket.buffer.clone(), expected)

@@ -26,6 +26,9 @@ class Bucket:
     numel: int
     buffer: torch.Tensor
     ready: set[int] = field(default_factory=set)
+    # Which parameters had a local gradient, kept on the host so a step in which every
+    # parameter had one never reads the (possibly GPU-resident) presence counts back.
+    flags: list[int] = field(default_factory=list)
     launched: bool = False
     pending: PendingReduction | None = None
 
@@ -41,19 +44,28 @@ class Bucket:
     def presence(self) -> torch.Tensor:
         return self.buffer[self.numel :]
 
-    def load(self, position: int) -> None:
-        """Copy the parameter's current gradient in (zeros and absent if it has none)."""
+    def load(self, position: int, scale: float) -> None:
+        """Copy the parameter's gradient in, times `scale` (zeros and absent if it has none).
+
+        Scaling on the way in (by 1/replicas) saves a separate pass over the reduced buffer.
+        """
         grad = self.params[position].grad
         view = self.gradient_view(position)
+        if not self.flags:
+            self.flags = [0] * len(self.params)
         if grad is None:
             view.zero_()
-            self.buffer[self.numel + position] = 0
+            self.flags[position] = 0
         else:
             if grad.is_sparse:
                 raise TypeError("sparse gradients are not supported by the gradient synchronizer; use dense embeddings")
-            view.copy_(grad)
-            self.buffer[self.numel + position] = 1
+            torch.mul(grad, scale, out=view)
+            self.flags[position] = 1
         self.ready.add(position)
+
+    def write_presence(self) -> None:
+        """Put the presence flags in the buffer's tail, once per launch."""
+        self.presence().copy_(torch.tensor(self.flags, dtype=self.buffer.dtype))
 
     def reset(self) -> None:
         self.ready.clear()

@@ -45,6 +45,7 @@ class GradientSynchronizer:
         names: dict[int, str],
         label: str,
         should_sync: Callable[[], bool],
+        accumulation: Callable[[], int] = lambda: 1,
         on_wait: Callable[[float], None] = lambda seconds: None,
         debug: bool = False,
     ) -> None:
@@ -55,6 +56,7 @@ class GradientSynchronizer:
         self.names = names
         self.label = label
         self.should_sync = should_sync
+        self.accumulation = accumulation
         self.on_wait = on_wait
         self.debug = debug
         unique = list({id(p): p for p in params}.values())
@@ -91,7 +93,7 @@ class GradientSynchronizer:
                 each.reset()
             self._next_bucket = 0
             self._reduced = False
-        bucket.load(position)
+        bucket.load(position, self._scale())
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].complete:
             self._launch(self.buckets[self._next_bucket])
 
@@ -105,6 +107,7 @@ class GradientSynchronizer:
             started = time.perf_counter()
             self.agreement.require_same(f"gradient bucket {bucket.index} of {self.label}, {bucket.buffer.numel()} elements")
             self.on_wait(time.perf_counter() - started)
+        bucket.write_presence()
         bucket.launched = True
         bucket.pending = self.reducer.reduce(bucket.buffer, self.group, bucket)  # type: ignore[arg-type]
         self._next_bucket = bucket.index + 1
@@ -114,7 +117,7 @@ class GradientSynchronizer:
         for bucket in self.buckets[self._next_bucket :]:
             for position in range(len(bucket.params)):
                 if position not in bucket.ready:
-                    bucket.load(position)
+                    bucket.load(position, self._scale())
             self._launch(bucket)
 
     def _wait_all(self) -> None:
@@ -132,9 +135,12 @@ class GradientSynchronizer:
         self.on_wait(time.perf_counter() - started)
 
     # -- at step ---------------------------------------------------------------------
-    def finalize(self, extra_divisor: int = 1) -> None:
-        """Make every gradient the replicas' average (divided also by `extra_divisor`, the
-        accumulation count). Idempotent within a window."""
+    def _scale(self) -> float:
+        return 1.0 / (self.size * self.accumulation())
+
+    def finalize(self) -> None:
+        """Make every gradient the replicas' average, over the accumulated micro-steps too.
+        Idempotent within a window."""
         if self._reduced:
             return
         for param in self.frozen:
@@ -144,26 +150,30 @@ class GradientSynchronizer:
                     "wrapped but now has a gradient that nobody synchronizes; set requires_grad before "
                     "repl.wrap_optimizer(...)"
                 )
-        divisor = self.size * extra_divisor
         if self.size == 1:
-            if divisor != 1:
+            if self.accumulation() != 1:
                 grads = [p.grad for p in self.params if p.grad is not None]
                 if grads:
-                    torch._foreach_div_(grads, divisor)
+                    torch._foreach_div_(grads, float(self.accumulation()))
             self._reduced = True
             return
         self._flush()
         self._wait_all()
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
         for bucket in self.buckets:
-            bucket.buffer[: bucket.numel].div_(divisor)
-            present = bucket.presence().tolist()
+            # Counts are read back only where this replica had no gradient of its own.
+            counts = None if all(bucket.flags) else bucket.presence().tolist()
             for position, param in enumerate(bucket.params):
-                if present[position] == 0:
+                if counts is not None and counts[position] == 0:
                     param.grad = None
                 elif param.grad is None:
                     param.grad = bucket.gradient_view(position).clone()
                 else:
-                    param.grad.copy_(bucket.gradient_view(position))
+                    targets.append(param.grad)
+                    sources.append(bucket.gradient_view(position))
+        if targets:
+            torch._foreach_copy_(targets, sources)
         self._reduced = True
 
     def end_window(self, discard: bool = False) -> None:
