@@ -1,0 +1,381 @@
+"""Data-parallel throughput of replicator against torch DDP (2 processes) and a plain loop (1 process).
+
+Command (from the repository root; a few minutes on 2 cores):
+
+    .venv/bin/python benchmarks/data_parallel.py --repeats 15 --steps 6 --batch 64 --json runs/data_parallel.json
+
+Both comparisons run their contenders inside the same processes on the same fixed synthetic
+batches, in short phases that take turns (the order rotates every repetition), so background
+load hits every contender alike; figures are medians over the repetitions. Many short
+repetitions rather than a few long ones: on a shared machine the load drifts within seconds,
+and only phases close in time make fair pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import replicator as rp
+from replicator.testing import run_replicas
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+Runner = Callable[[list[Batch], list[float]], None]  # (batches, stamps): runs them, stamping each step's end
+
+
+@dataclass(frozen=True)
+class Config:
+    repeats: int = 15
+    steps: int = 6  # timed steps per phase
+    warmup: int = 2  # untimed steps at the start of every phase
+    batch: int = 64  # per replica
+    features: int = 1024
+    hidden: int = 2048
+    classes: int = 10
+    distinct_batches: int = 8
+    threads: int = 1
+    loops: tuple[str, ...] = ("run", "step_fn")  # how replicator is driven; see `_replicator_runner`
+    lr: float = 0.01
+    seed: int = 0
+
+
+def make_model(config: Config) -> torch.nn.Module:
+    """An MLP of ~8.4 M parameters: enough compute per step that overheads show as a share, not noise."""
+    return torch.nn.Sequential(
+        torch.nn.Linear(config.features, config.hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(config.hidden, config.hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(config.hidden, config.features),
+        torch.nn.ReLU(),
+        torch.nn.Linear(config.features, config.classes),
+    )
+
+
+def make_batches(config: Config, shard: int) -> list[Batch]:
+    """This shard's fixed batches: the same on every call, different between shards."""
+    generator = torch.Generator().manual_seed(1000 * config.seed + shard)
+    return [
+        (
+            torch.randn(config.batch, config.features, generator=generator),
+            torch.randint(0, config.classes, (config.batch,), generator=generator),
+        )
+        for _ in range(config.distinct_batches)
+    ]
+
+
+def make_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+
+
+class Contender:
+    """One way of training one model copy; `phase(count)` runs `count` steps on the next batches.
+
+    Each contender walks the shared batch list with its own cursor, so after the same
+    number of steps every contender has seen exactly the same data.
+    """
+
+    def __init__(self, name: str, model: torch.nn.Module, batches: list[Batch], run: Runner) -> None:
+        self.name = name
+        self.model = model
+        self.batches = batches
+        self._run = run
+        self.cursor = 0
+
+    def phase(self, count: int, stamps: list[float] | None = None) -> None:
+        """Run `count` steps; append the clock after each to `stamps`."""
+        chosen = [self.batches[(self.cursor + i) % len(self.batches)] for i in range(count)]
+        self.cursor += count
+        self._run(chosen, [] if stamps is None else stamps)
+
+
+def _plain_runner(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Runner:
+    """The loop a researcher writes without any library (also drives the DDP-wrapped model)."""
+
+    def run(batches: list[Batch], stamps: list[float]) -> None:
+        for images, labels in batches:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(images), labels)
+            loss.backward()
+            optimizer.step()
+            stamps.append(time.perf_counter())
+
+    return run
+
+
+def _replicator_runner(repl: rp.Replicator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loop: str) -> Runner:
+    """Drive replicator through `repl.run` (the public loop) or by calling step_fn directly.
+
+    step_fn returns the local loss, not ctx.all_mean(loss): the peers do not reduce their
+    loss either, so both sides issue exactly the gradient traffic and nothing else.
+    """
+
+    def step_fn(ctx: rp.ReplicaContext, batch: Batch) -> torch.Tensor:
+        images, labels = batch
+        loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    def run(batches: list[Batch], stamps: list[float]) -> None:
+        if loop == "run":
+            for _ in repl.run(step_fn, batches, steps=len(batches), progress=False, warmup_steps=0):
+                stamps.append(time.perf_counter())
+        else:
+            for batch in batches:
+                step_fn(repl.context, batch)
+                stamps.append(time.perf_counter())
+
+    return run
+
+
+def _flat_parameters(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _interleave(contenders: list[Contender], config: Config, barrier: Callable[[], None],
+                slowest: Callable[[float], float]) -> dict[str, dict[str, list[float]]]:
+    """Per repetition and contender: samples/s, median step time and this process's CPU ms per step.
+
+    The order rotates every repetition. The median step filters out the odd step another
+    user's burst of work stretched; CPU time (every thread of the process, Gloo's included)
+    counts work done rather than time spent descheduled or waiting, so on a shared machine
+    it tells extra work from extra waiting.
+    """
+    samples = config.batch * (dist.get_world_size() if dist.is_initialized() else 1) * config.steps
+    figures: dict[str, dict[str, list[float]]] = {c.name: {"rate": [], "step_ms": [], "cpu_ms": []} for c in contenders}
+    for repetition in range(config.repeats):
+        shift = repetition % len(contenders)
+        for contender in contenders[shift:] + contenders[:shift]:
+            contender.phase(config.warmup)
+            barrier()  # every process starts the timed steps together
+            stamps: list[float] = []
+            cpu_started = time.process_time()
+            started = time.perf_counter()
+            contender.phase(config.steps, stamps)
+            elapsed = time.perf_counter() - started
+            cpu = time.process_time() - cpu_started
+            steps = [later - earlier for earlier, later in zip([started, *stamps], stamps)]
+            figures[contender.name]["rate"].append(samples / slowest(elapsed))
+            figures[contender.name]["step_ms"].append(1e3 * statistics.median(steps))
+            figures[contender.name]["cpu_ms"].append(1e3 * cpu / config.steps)
+    return figures
+
+
+def _threads(config: Config) -> None:
+    # One intra-op thread per process by default: two processes then own one core each, and
+    # no contender gains from threads the others would have to share.
+    torch.set_num_threads(config.threads)
+
+
+def two_process_job(config: Config) -> dict[str, Any]:
+    """One of the 2 processes: replicator (each loop) and DDP take turns on identical model copies."""
+    _threads(config)
+    repl = rp.Replicator()
+    rank = dist.get_rank()
+    torch.manual_seed(config.seed)
+    with repl.scope():  # broadcasts replica 0's weights, whatever each process drew
+        reference = make_model(config)
+        replicas = {}
+        for loop in config.loops:
+            model = make_model(config)
+            model.load_state_dict(reference.state_dict())
+            replicas[loop] = (model, repl.wrap_optimizer(make_optimizer(model, config)))
+    initial = _flat_parameters(reference)
+    ddp_model = make_model(config)
+    ddp_model.load_state_dict(reference.state_dict())
+    # DDP's defaults (25 MB buckets, 1 MB first bucket, copies into buckets) are the ones
+    # replicator mirrors, so the comparison is of the machinery, not of tuning.
+    ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
+    batches = make_batches(config, shard=rank)
+    contenders = [
+        Contender(f"replicator ({loop})", model, batches, _replicator_runner(repl, model, optimizer, loop))
+        for loop, (model, optimizer) in replicas.items()
+    ]
+    contenders.append(Contender("torch DDP", ddp_model, batches, _plain_runner(ddp, make_optimizer(ddp, config))))
+
+    def slowest(seconds: float) -> float:
+        # The job is as fast as its slowest process.
+        value = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return float(value.item())
+
+    figures = _interleave(contenders, config, dist.barrier, slowest)
+
+    checks: dict[str, float] = {}
+    ddp_flat = _flat_parameters(ddp_model)
+    for contender in contenders[:-1]:
+        mine = _flat_parameters(contender.model)
+        checks[f"{contender.name} vs torch DDP: max |diff|"] = float((mine - ddp_flat).abs().max())
+        first = mine.clone()
+        dist.broadcast(first, src=0)  # replicas of one contender must be identical, bit for bit
+        if rank != 0:
+            checks[f"{contender.name}: replica {rank} vs replica 0, max |diff|"] = float((mine - first).abs().max())
+    # Without this, "no difference" could also mean "nobody trained".
+    checks["torch DDP: max |change since start|"] = float((ddp_flat - initial).abs().max())
+    backend = dist.get_backend()
+    repl.close()
+    return {"figures": figures, "checks": checks, "backend": backend, "rank": rank}
+
+
+def one_process_job(config: Config) -> dict[str, Any]:
+    """This process alone (no launcher variables): 1 replica (each loop) against a plain loop."""
+    _threads(config)
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
+        os.environ.pop(name, None)  # "run plainly": replicator must see a single process
+    repl = rp.Replicator()
+    torch.manual_seed(config.seed)
+    reference = make_model(config)
+    with repl.scope():
+        replicas = {}
+        for loop in config.loops:
+            model = make_model(config)
+            model.load_state_dict(reference.state_dict())
+            replicas[loop] = (model, repl.wrap_optimizer(make_optimizer(model, config)))
+    plain = make_model(config)
+    plain.load_state_dict(reference.state_dict())
+    initial = _flat_parameters(reference)
+    batches = make_batches(config, shard=0)
+    contenders = [
+        Contender(f"1 replica ({loop})", model, batches, _replicator_runner(repl, model, optimizer, loop))
+        for loop, (model, optimizer) in replicas.items()
+    ]
+    contenders.append(Contender("plain PyTorch loop", plain, batches, _plain_runner(plain, make_optimizer(plain, config))))
+    figures = _interleave(contenders, config, lambda: None, lambda seconds: seconds)
+    plain_flat = _flat_parameters(plain)
+    checks = {
+        f"{c.name} vs plain PyTorch loop: max |diff|": float((_flat_parameters(c.model) - plain_flat).abs().max())
+        for c in contenders[:-1]
+    }
+    moved = float((plain_flat - initial).abs().max())
+    return {"figures": figures, "checks": checks, "moved": moved, "distributed": dist.is_initialized()}
+
+
+def _table(title: str, figures: dict[str, dict[str, list[float]]], peer: str, samples_per_step: int) -> list[str]:
+    """Medians over repetitions. 'Paired' is the median of (this / peer) within each repetition,
+    which cancels load that drifts more slowly than one repetition."""
+    lines = [
+        f"\n{title}", "",
+        "| contender | samples/s (median of phases) | range | ratio of medians | median paired ratio "
+        "| samples/s at median step | ratio | CPU ms/step (rank 0) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    peer_rates, peer_steps = figures[peer]["rate"], figures[peer]["step_ms"]
+    for name, figure in figures.items():
+        rates, steps = figure["rate"], figure["step_ms"]
+        median, step = statistics.median(rates), statistics.median(steps)
+        if name == peer:
+            ratio = paired = step_ratio = "(peer)"
+        else:
+            ratio = f"{median / statistics.median(peer_rates):.3f}"
+            paired = f"{statistics.median(r / p for r, p in zip(rates, peer_rates)):.3f}"
+            step_ratio = f"{statistics.median(peer_steps) / step:.3f}"
+        lines.append(
+            f"| {name} | {median:,.0f} | {min(rates):,.0f}–{max(rates):,.0f} | {ratio} | {paired} "
+            f"| {1e3 * samples_per_step / step:,.0f} | {step_ratio} | {statistics.median(figure['cpu_ms']):.1f} |"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=Config.repeats, help="interleaved repetitions per contender")
+    parser.add_argument("--steps", type=int, default=Config.steps, help="timed steps per repetition")
+    parser.add_argument("--warmup", type=int, default=Config.warmup, help="untimed steps before each timed phase")
+    parser.add_argument("--batch", type=int, default=Config.batch, help="samples per replica per step")
+    parser.add_argument("--hidden", type=int, default=Config.hidden, help="MLP width (parameters grow as its square)")
+    parser.add_argument("--threads", type=int, default=Config.threads, help="torch threads per process")
+    parser.add_argument("--loop", choices=("run", "step_fn", "both"), default="both",
+                        help="drive replicator with repl.run(progress=False), by calling step_fn directly, or both")
+    parser.add_argument("--only", choices=("2", "1", "both"), default="both", help="which comparison to run")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write every figure to this JSON file")
+    options = parser.parse_args(argv)
+    if options.repeats < 1 or options.steps < 1 or options.warmup < 0 or options.batch < 1:
+        parser.error("--repeats, --steps and --batch must be positive and --warmup non-negative")
+    config = Config(
+        repeats=options.repeats, steps=options.steps, warmup=options.warmup, batch=options.batch,
+        hidden=options.hidden, threads=options.threads,
+        loops=("run", "step_fn") if options.loop == "both" else (options.loop,),
+    )
+    parameters = sum(p.numel() for p in make_model(config).parameters())
+    print(
+        f"replicator {rp.__version__}, torch {torch.__version__}, {os.cpu_count()} CPU cores, "
+        f"{platform.processor() or platform.machine()}\n"
+        f"MLP {config.features}-{config.hidden}-{config.hidden}-{config.features}-{config.classes} "
+        f"({parameters / 1e6:.1f} M parameters), batch {config.batch} per replica, {config.threads} thread(s) per "
+        f"process, {config.repeats} repetitions x {config.steps} timed steps (+{config.warmup} warm-up), "
+        f"replicator driven by: {', '.join('repl.run(progress=False)' if loop == 'run' else 'step_fn called directly' for loop in config.loops)}",
+        flush=True,
+    )
+    # Other people's work on the machine is the main source of noise; say how much there was.
+    load_before = os.getloadavg()[0]
+    report: dict[str, Any] = {
+        "config": asdict(config), "parameters": parameters, "torch": torch.__version__, "cpu_count": os.cpu_count(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join([sys.executable, *sys.argv]),
+    }
+    lines: list[str] = []
+    healthy = True
+    if options.only in ("2", "both"):
+        started = time.perf_counter()
+        # Generous timeout: the machine may be shared, and a hang still ends the run.
+        results = run_replicas(two_process_job, 2, config, timeout_s=60.0 + 30.0 * config.repeats * config.steps)
+        first = results[0]
+        report["two_processes"] = {
+            "figures_rank0": first["figures"], "cpu_ms_rank1": {k: v["cpu_ms"] for k, v in results[1]["figures"].items()},
+            "checks": [r["checks"] for r in results], "backend": first["backend"],
+        }
+        lines += _table(f"2 processes ({first['backend']}, 127.0.0.1), global batch {2 * config.batch}:",
+                        first["figures"], "torch DDP", 2 * config.batch)
+        for result in results:
+            for name, value in result["checks"].items():
+                lines.append(f"  check, rank {result['rank']}: {name} = {value:.3g}")
+        worst = max(v for r in results for k, v in r["checks"].items() if "diff" in k)
+        ok = worst <= 1e-4 and all(r["checks"]["torch DDP: max |change since start|"] > 1e-6 for r in results)
+        healthy &= ok
+        lines.append(f"  parameters trained and agree after the timed runs (tolerance 1e-4): {'yes' if ok else 'NO'}")
+        lines.append(f"  ({time.perf_counter() - started:.0f} s)")
+    if options.only in ("1", "both"):
+        started = time.perf_counter()
+        single = one_process_job(config)
+        report["one_process"] = single
+        where = "with a process group (unexpected)" if single["distributed"] else "run plainly, no process group"
+        lines += _table(f"1 process ({where}), batch {config.batch}:",
+                        single["figures"], "plain PyTorch loop", config.batch)
+        for name, value in single["checks"].items():
+            lines.append(f"  check: {name} = {value:.3g}")
+        lines.append(f"  check: plain PyTorch loop: max |change since start| = {single['moved']:.3g}")
+        ok = all(v == 0.0 for v in single["checks"].values()) and single["moved"] > 1e-6
+        healthy &= ok
+        lines.append(f"  parameters trained and identical to the plain loop's: {'yes' if ok else 'NO'}")
+        lines.append(f"  ({time.perf_counter() - started:.0f} s)")
+    load_after = os.getloadavg()[0]
+    report["load_average_1min"] = {"before": load_before, "after": load_after}
+    lines.append(
+        f"\n1-minute load average: {load_before:.2f} before, {load_after:.2f} after, on {os.cpu_count()} cores "
+        "(this job adds up to 2). Work of others competing for the cores makes wall-clock figures noisy; "
+        "CPU ms/step is the steadier measure of the work each contender does."
+    )
+    print("\n".join(lines), flush=True)
+    if options.json:
+        os.makedirs(os.path.dirname(os.path.abspath(options.json)), exist_ok=True)
+        with open(options.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+        print(f"figures written to {options.json}")
+    return 0 if healthy else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

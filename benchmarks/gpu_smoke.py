@@ -1,0 +1,224 @@
+"""GPU smoke test: one NCCL replica training ResNet-50 (bf16 autocast) against a plain PyTorch loop.
+
+Command (from the repository root, on a machine with a CUDA GPU):
+
+    .venv/bin/python benchmarks/gpu_smoke.py --repeats 5 --steps 30 --batch 64 --json runs/gpu_smoke.json
+
+Without CUDA it prints why it skips and exits 0. `--cpu-dry-run` runs the same code path on
+the CPU with Gloo and tiny images, only to check the script itself where no GPU exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import replicator as rp
+from replicator.launch import free_port
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Bottleneck(nn.Module):
+    """ResNet v1.5 bottleneck: the stride sits on the 3x3 convolution, as in torchvision."""
+
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        width = planes * self.expansion
+        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, width, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(width)
+        self.downsample: nn.Module | None = None
+        if stride != 1 or inplanes != width:
+            self.downsample = nn.Sequential(nn.Conv2d(inplanes, width, 1, stride=stride, bias=False), nn.BatchNorm2d(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn2(self.conv2(out)))
+        return F.relu(self.bn3(self.conv3(out)) + identity)
+
+
+class ResNet50(nn.Module):
+    """ResNet-50 (Bottleneck blocks [3, 4, 6, 3], 25.6 M parameters), defined here so torchvision is optional."""
+
+    def __init__(self, num_classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, stride=2, padding=1),
+        )
+        stages: list[nn.Module] = []
+        inplanes = 64
+        for planes, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            layers = []
+            for index in range(blocks):
+                layers.append(Bottleneck(inplanes, planes, stride if index == 0 else 1))
+                inplanes = planes * Bottleneck.expansion
+            stages.append(nn.Sequential(*layers))
+        self.stages = nn.Sequential(*stages)
+        self.fc = nn.Linear(inplanes, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.stages(self.stem(x)), 1), 1))
+
+
+def _join_as_single_replica() -> None:
+    """torchrun's variables for a world of one, so rp.Replicator() initialises a real process group."""
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+    )
+
+
+def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, device_type: str) -> Callable[[Batch], torch.Tensor]:
+    def step(batch: Batch) -> torch.Tensor:
+        images, labels = batch
+        optimizer.zero_grad()
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions per contender")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per repetition")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps before each timed phase")
+    parser.add_argument("--batch", type=int, default=64, help="images per step")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--cpu-dry-run", action="store_true", help="no GPU: exercise the script on CPU/Gloo with tiny inputs")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write every figure to this JSON file")
+    options = parser.parse_args(argv)
+    if options.repeats < 1 or options.steps < 1 or options.warmup < 0 or options.batch < 1:
+        parser.error("--repeats, --steps and --batch must be positive and --warmup non-negative")
+
+    if not torch.cuda.is_available() and not options.cpu_dry_run:
+        print(f"gpu_smoke: skipped, CUDA is not available (torch {torch.__version__}); nothing was measured.")
+        return 0
+    if options.cpu_dry_run:
+        if torch.cuda.is_available():
+            parser.error("--cpu-dry-run is for machines without CUDA; on this one run the real smoke test")
+        options.image_size, options.batch = min(options.image_size, 64), min(options.batch, 4)
+    expected_backend, expected_device = ("gloo", "cpu") if options.cpu_dry_run else ("nccl", "cuda")
+
+    _join_as_single_replica()
+    repl = rp.Replicator()
+    device = repl.device
+    backend = dist.get_backend(repl.groups.replica) if repl.groups.replica is not None else "none"
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest kernels once
+
+    torch.manual_seed(0)
+    with repl.scope():
+        model = ResNet50().to(memory_format=torch.channels_last)
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-5))
+    plain = ResNet50().to(device, memory_format=torch.channels_last)
+    plain.load_state_dict(model.state_dict())
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-5)
+
+    generator = torch.Generator().manual_seed(1)
+    images = torch.randn(options.batch, 3, options.image_size, options.image_size, generator=generator)
+    labels = torch.randint(0, 1000, (options.batch,), generator=generator)
+    batch = (images.to(device).contiguous(memory_format=torch.channels_last), labels.to(device))
+
+    # The proof that this is the real thing: an NCCL collective on CUDA tensors through the
+    # replica context, and every parameter and input on the GPU.
+    probe = repl.context.all_sum(torch.ones(4, device=device))
+    checks = {
+        "backend": backend,
+        "replicator device": str(device),
+        "parameters on": sorted({str(p.device) for p in model.parameters()}),
+        "batch on": str(batch[0].device),
+        "ctx.all_sum probe": f"{probe.tolist()} on {probe.device}",
+    }
+    verified = (
+        backend == expected_backend and device.type == expected_device
+        and all(p.device.type == expected_device for p in model.parameters())
+        and batch[0].device.type == expected_device and probe.device.type == expected_device
+    )
+
+    replicated_step = _plain_step(model, optimizer, device.type)  # the same body, on the wrapped optimizer
+
+    def step_fn(ctx: rp.ReplicaContext, data: Batch) -> torch.Tensor:
+        return replicated_step(data)
+
+    def run_replicator(count: int) -> None:
+        for _ in repl.run(step_fn, [batch] * count, steps=count, progress=False, warmup_steps=0):
+            pass
+
+    plain_step = _plain_step(plain, plain_optimizer, device.type)
+
+    def run_plain(count: int) -> None:
+        for _ in range(count):
+            plain_step(batch)
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    contenders: dict[str, Callable[[int], None]] = {"replicator, 1 replica (repl.run)": run_replicator, "plain PyTorch loop": run_plain}
+    rates: dict[str, list[float]] = {name: [] for name in contenders}
+    names = list(contenders)
+    for repetition in range(options.repeats):
+        for name in names[repetition % 2 :] + names[: repetition % 2]:  # alternate who goes first
+            contenders[name](options.warmup)
+            synchronize()
+            started = time.perf_counter()
+            contenders[name](options.steps)
+            synchronize()  # the GPU must have finished the work being timed
+            rates[name].append(options.batch * options.steps / (time.perf_counter() - started))
+
+    # Same weights, same data, same number of steps: a large gap would mean different work.
+    worst = max(float((a.detach().float() - b.detach().float()).abs().max()) for a, b in zip(model.parameters(), plain.parameters()))
+    scale = max(float(p.detach().abs().max()) for p in plain.parameters())
+
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    ratio = medians[names[0]] / medians[names[1]]
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run: figures mean nothing)"
+    print(f"ResNet-50, {options.image_size}x{options.image_size}, batch {options.batch}, bf16 autocast, channels_last, on {where}")
+    print(f"torch {torch.__version__}; {options.repeats} repetitions x {options.steps} timed steps (+{options.warmup} warm-up)")
+    for key, value in checks.items():
+        print(f"  {key}: {value}")
+    print(f"  NCCL and CUDA verified: {'yes' if verified else 'NO'}" if not options.cpu_dry_run else f"  Gloo and CPU verified (dry run): {'yes' if verified else 'NO'}")
+    print("\n| contender | median images/s | min | max |\n| --- | ---: | ---: | ---: |")
+    for name, values in rates.items():
+        print(f"| {name} | {medians[name]:,.1f} | {min(values):,.1f} | {max(values):,.1f} |")
+    print(f"\nratio replicator / plain loop: {ratio:.3f}")
+    print(f"parameter max |diff| after the runs: {worst:.3g} (largest parameter {scale:.3g}; bf16 and cuDNN's "
+          "non-deterministic kernels allow small differences)")
+    if options.json:
+        os.makedirs(os.path.dirname(os.path.abspath(options.json)), exist_ok=True)
+        with open(options.json, "w") as handle:
+            json.dump({
+                "device": where, "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                "options": vars(options), "checks": checks, "verified": verified, "rates": rates,
+                "medians": medians, "ratio": ratio, "parameter_max_diff": worst,
+            }, handle, indent=2)
+        print(f"figures written to {options.json}")
+    repl.close()
+    return 0 if verified else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
