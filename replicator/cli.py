@@ -21,6 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--master", default=None, help="HOST:PORT of node 0 (multi-node); default: this machine")
     run.add_argument("--threads", type=int, default=None, help="threads per process (default: cores / replicas)")
     run.add_argument("-m", "--module", action="store_true", help="target is a module, as in python -m")
+    run.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                     help="when a process dies, restart the whole job up to R times (it resumes from its last checkpoint)")
     run.add_argument("target", help="script.py (or a module with -m)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = LaunchSpec(
             target=options.target, args=options.args, nproc_per_node=options.nproc_per_node,
             nnodes=options.nnodes, node_rank=options.node_rank, master=options.master,
-            module=options.module, threads_per_process=options.threads,
+            module=options.module, threads_per_process=options.threads, max_restarts=options.max_restarts,
         )
         try:
             return launch(spec)

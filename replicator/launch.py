@@ -1,10 +1,12 @@
-"""`replicator launch`: start N replicas per node on torchrun's machinery."""
+"""`replicator launch`: start N replicas per node on torchrun's machinery, restarting the job on failure."""
 
 from __future__ import annotations
 
 import os
 import socket
 from dataclasses import dataclass
+
+from replicator.recovery import ATTEMPT_ENV, MAX_RESTARTS_ENV, Outcome, run_attempts
 
 __all__ = ["LaunchSpec", "launch", "free_port"]
 
@@ -28,6 +30,7 @@ class LaunchSpec:
     master: str | None = None
     module: bool = False
     threads_per_process: int | None = None
+    max_restarts: int = 0  # whole-job restarts after a failure; the job resumes from its checkpoint
 
     def validate(self) -> None:
         if self.nproc_per_node < 1:
@@ -38,6 +41,8 @@ class LaunchSpec:
             raise ValueError("a multi-node launch needs --master HOST:PORT (the address of node 0, same on every node)")
         if self.master and (":" not in self.master or not self.master.rsplit(":", 1)[1].isdigit()):
             raise ValueError(f"--master must look like HOST:PORT, got {self.master!r}")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if not self.module and not os.path.exists(self.target):
             raise FileNotFoundError(f"no such script: {self.target}")
 
@@ -52,9 +57,12 @@ def _environment(spec: LaunchSpec) -> dict[str, str]:
     return env
 
 
-def torchrun_arguments(spec: LaunchSpec) -> list[str]:
+def torchrun_arguments(spec: LaunchSpec, attempt: int = 0) -> list[str]:
+    """torchrun's command line for one attempt: a fresh rendezvous port each time, no in-place restarts."""
     if spec.master:
-        host, port = spec.master.rsplit(":", 1)
+        # Every node's launcher counts attempts alike, so all of them move to the same new port.
+        host, base = spec.master.rsplit(":", 1)
+        port = str(int(base) + attempt)
     else:
         host, port = "127.0.0.1", str(free_port())
     arguments = [
@@ -64,32 +72,44 @@ def torchrun_arguments(spec: LaunchSpec) -> list[str]:
         "--master-addr", host,
         "--master-port", port,
         "--rdzv-backend", "static",
+        # torchrun's own restarts reuse the rendezvous, and with Gloo restarted workers can
+        # dial the previous attempt's dead peers or hang: restarts are ours (see recovery).
+        "--max-restarts", "0",
     ]
     if spec.module:
         arguments.append("-m")
-    return [*arguments, spec.target, *spec.args]
+    # "--" ends torchrun's options: a script argument such as --log would otherwise be taken
+    # as an abbreviation of one of torchrun's (--log-dir) and rejected.
+    return [*arguments, "--", spec.target, *spec.args]
 
 
 def launch(spec: LaunchSpec) -> int:
-    """Run the job; returns the exit code (0 when every replica succeeded)."""
+    """Run the job, restarting all of it up to `spec.max_restarts` times; returns the exit code."""
     spec.validate()
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
     saved = dict(os.environ)
     for key, value in _environment(spec).items():
         # An explicit --threads wins; otherwise a user's own OMP_NUM_THREADS is respected.
         if spec.threads_per_process or key not in os.environ:
             os.environ[key] = value
+    os.environ[MAX_RESTARTS_ENV] = str(spec.max_restarts)
     try:
-        run(parse_args(torchrun_arguments(spec)))
-    except ChildFailedError as failure:
-        lines = [f"replicator: {len(failure.failures)} replica process(es) failed:"]
-        for rank, info in sorted(failure.failures.items()):
-            lines.append(f"  rank {rank}: exit code {info.exitcode}")
-        print("\n".join(lines), flush=True)
-        return 1
+        return run_attempts(lambda attempt: _run_attempt(spec, attempt), spec.max_restarts)
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return 0
+
+
+def _run_attempt(spec: LaunchSpec, attempt: int) -> Outcome:
+    """One torchrun invocation: every replica started afresh, on a new port."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    os.environ[ATTEMPT_ENV] = str(attempt)
+    try:
+        run(parse_args(torchrun_arguments(spec, attempt)))
+    except ChildFailedError as failure:
+        return Outcome(False, {rank: info.exitcode for rank, info in failure.failures.items()})
+    except SignalException:
+        return Outcome(False, interrupted=True)  # the launcher itself was told to stop
+    return Outcome(True)
