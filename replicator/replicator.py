@@ -8,7 +8,8 @@ import os
 import time
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,9 @@ from replicator.sync.reducers import Reducer, make_reducer
 from replicator.sync.synchronizer import GradientSynchronizer
 from replicator.telemetry import Progress, StepTimes, breakdown_table
 from replicator.topology import DEFAULT_TIMEOUT_S, build_process_groups, discover
+
+if TYPE_CHECKING:
+    from replicator.checkpoint import Restored
 
 __all__ = ["Replicator"]
 
@@ -100,6 +104,16 @@ class Replicator:
         self._accumulation = 1
         self._no_sync_depth = 0
         self.last_run: dict[str, Any] = {}
+        # What checkpoints hold: modules built in scope (or pipeline stages), schedulers, and
+        # how far training got: completed steps and the batches consumed in the input's epoch.
+        self._modules: list[torch.nn.Module] = []
+        self._stages: list[Any] = []
+        self._schedulers: list[Any] = []
+        self.global_step = 0  # completed steps of the training, restored ones included
+        self._input: Any = None
+        self._input_start = (0, 0)  # (step, batches consumed) when the current run's input began
+        self._pending_input: dict[str, Any] | None = None  # a restored position, for the next run()
+        self._restored = False
 
     # -- identity ----------------------------------------------------------------------
     @property
@@ -144,6 +158,7 @@ class Replicator:
         roots = scope.roots()
         for root in roots:
             root.to(self.device)
+        self._modules.extend(root for root in roots if all(root is not m for m in self._modules))
         self._names.update(scope.names())
         tensors: dict[int, torch.Tensor] = {}
         for root in roots:
@@ -220,6 +235,7 @@ class Replicator:
             return None
 
         scheduler.step = types.MethodType(step, scheduler)
+        self._schedulers.append(scheduler)
         return scheduler
 
     def pipeline(self, layers: Any, balance: Any = "params", *, sample: Any = None,
@@ -233,13 +249,15 @@ class Replicator:
         """
         from replicator.pipeline import build_pipeline
 
-        return build_pipeline(
+        stage = build_pipeline(
             layers, stage_id=self.stage_id, num_stages=self.num_stages, balance=balance,
             stage_ranks=self.groups.stage_ranks, stage_group=self.groups.stage, chunks=self.chunks,
             schedule=self.schedule, checkpoint=self.checkpoint, device=self.device, sample=sample,
             deferred_batchnorm=deferred_batchnorm, balance_group=self.groups.control,
             replica=self.replica_id, no_sync=self.no_sync,
         )
+        self._stages.append(stage)
+        return stage
 
     # -- gradients ---------------------------------------------------------------------
     def accumulate(self, micro_steps: int) -> None:
@@ -298,15 +316,37 @@ class Replicator:
         *,
         progress: bool | None = None,
         warmup_steps: int = 5,
+        checkpoint_every: int | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        keep: int = 3,
     ) -> Iterator[tuple[int, Any]]:
         """Run `step_fn(ctx, batch)` on every replica; yield `(step, output)` for each step.
 
-        Steps count from 0. The run ends after `steps` steps or when any replica's input
+        Steps count from 0, or from `repl.global_step` after a restore. The run ends once
+        `steps` steps are done in all (restored ones included) or when any replica's input
         runs out, on every replica at the same step. At the end replica 0 prints the
         step-time breakdown and `repl.last_run` holds the figures.
+
+        With `checkpoint_dir`, a fresh Replicator first resumes from the newest complete
+        checkpoint there, if any (parameters, optimizers, schedulers, step, input position,
+        random generators); with `checkpoint_every=N` it saves one after every N-th step and
+        keeps the newest `keep`. Under `replicator launch --max-restarts R` that is all a
+        script needs to survive the death of a replica.
         """
         if steps is not None and steps < 0:
             raise ReplicatorUsageError(f"steps must be >= 0, got {steps}")
+        if checkpoint_every is not None and (checkpoint_dir is None or checkpoint_every < 1
+                                             or checkpoint_every % self._accumulation):
+            raise ReplicatorUsageError(
+                f"checkpoint_every={checkpoint_every} needs a checkpoint_dir and must be a positive multiple of the "
+                f"accumulation ({self._accumulation} micro-steps), so that checkpoints fall between updates"
+            )
+        if checkpoint_dir is not None and not self._restored and self.global_step == 0:
+            from replicator.checkpoint import latest
+
+            last = latest(checkpoint_dir)
+            if last is not None:
+                self.restore(last)
         show = (self.is_main and os.environ.get("REPLICATOR_PROGRESS", "1") != "0") if progress is None else (progress and self.is_main)
         times = StepTimes(warmup_steps=warmup_steps)
         self._times = times
@@ -314,8 +354,8 @@ class Replicator:
         for wrapped in self._wrapped:
             wrapped.synchronizer.on_wait = times.add_communication
         bar = Progress(steps, enabled=show)
-        iterator = iter(inputs)
-        step = 0
+        iterator = self._start_input(inputs)
+        step = self.global_step
         ended_early: list[int] = []
         try:
             batch, has_batch, waited = _next_batch(iterator)
@@ -336,6 +376,12 @@ class Replicator:
                 times.step_seconds += time.perf_counter() - started
                 times.finish_step(size * self.num_replicas)
                 bar.update(step + 1, size * self.num_replicas, output)
+                self.global_step = step + 1
+                if checkpoint_every and self.global_step % checkpoint_every == 0:
+                    from replicator.checkpoint import step_path
+
+                    # Before the next step's agreement starts: both talk on the control group.
+                    self.save(step_path(checkpoint_dir, self.global_step), keep=keep)  # type: ignore[arg-type]
                 batch, has_batch, waited = _next_batch(iterator)
                 times.input_seconds += waited
                 pending = self._announce_step(step + 1, batch, has_batch, steps)
@@ -344,6 +390,33 @@ class Replicator:
         finally:
             bar.close()
         self._summarize(times, show, ended_early, step)
+
+    def _start_input(self, inputs: Iterable[Any]) -> Iterator[Any]:
+        """Iterate `inputs`, from where a restored checkpoint left them if there is one."""
+        pending, self._pending_input = self._pending_input, None
+        skip = int(pending["batches"]) if pending else 0
+        if isinstance(inputs, ReplicatedInput):
+            if pending is not None:
+                inputs.load_state_dict(pending)
+            iterator = iter(inputs)
+        else:
+            # A plain iterable can only be skipped through: right for lists and other
+            # re-iterable inputs that yield the same batches every time.
+            iterator = iter(inputs)
+            for _ in range(skip):
+                next(iterator, None)
+        self._input, self._input_start = inputs, (self.global_step, skip)
+        return iterator
+
+    def _input_state(self) -> dict[str, Any]:
+        """The input position of the current step, for a checkpoint."""
+        if self._pending_input is not None:  # restored, not yet run: save what was restored
+            return dict(self._pending_input)
+        start_step, start_batches = self._input_start
+        batches = start_batches + self.global_step - start_step  # one batch per step; a prefetched one is not consumed
+        if isinstance(self._input, ReplicatedInput):
+            return self._input.state_dict(batches)
+        return {"epoch": 0, "batches": batches}
 
     def _announce_step(self, step: int, batch: Any, has_batch: bool, steps: int | None) -> PendingAgreement | None:
         """Start agreeing on the next step (has a batch? of what size?) while the caller works."""
@@ -394,6 +467,60 @@ class Replicator:
             from rich.console import Console
 
             Console().print(breakdown_table(per_replica))
+
+    # -- checkpoints -------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str], *, keep: int | None = None, extra: dict[str, Any] | None = None) -> Path:
+        """Checkpoint the training: every process calls it, between steps.
+
+        Saved: the modules built in repl.scope() (or this process's pipeline stage),
+        wrapped optimizers and schedulers, `global_step`, the input position and every
+        replica's random generators; `extra` is any JSON-able metadata. The write is atomic
+        (a crash leaves the previous checkpoint intact); `keep` prunes `path`'s directory
+        to the newest `keep` checkpoints. See replicator.checkpoint.
+        """
+        from replicator import checkpoint
+
+        if any(w.calls % self._accumulation for w in self._wrapped):
+            raise ReplicatorUsageError("repl.save() was called in the middle of an accumulation; save between updates")
+        return checkpoint.save(path, **self._checkpoint_objects(), step=self.global_step, input_state=self._input_state(),
+                               extra=extra, keep=keep)
+
+    def restore(self, path: str | os.PathLike[str]) -> "Restored":
+        """Load a checkpoint written with any replica count (and stage split of the same model).
+
+        The next run() continues from its step and input position. A checkpoint of another
+        model raises CheckpointMismatchError on every process, naming the keys that differ.
+        """
+        from replicator import checkpoint
+
+        restored = checkpoint.restore(path, **self._checkpoint_objects())
+        for wrapped in self._wrapped:
+            wrapped.calls, wrapped.stepped = 0, False
+        self.global_step = restored.step
+        self._pending_input = restored.input_state
+        self._restored = True
+        return restored
+
+    def _checkpoint_objects(self) -> dict[str, Any]:
+        from replicator.checkpoint import Layout
+
+        if self._stages:
+            # A stage keeps its layers' indices in the whole model, so the stages' keys
+            # together are the unsplit model's: such a checkpoint restores without a pipeline.
+            modules = {("model" if i == 0 else f"model{i}"): stage.module for i, stage in enumerate(self._stages)}
+        elif len(self._modules) == 1:
+            modules = {"model": self._modules[0]}
+        else:
+            modules = {f"model{i}": module for i, module in enumerate(self._modules)}
+        if not modules:
+            raise ReplicatorUsageError("there is nothing to checkpoint: build the model inside `with repl.scope():`")
+        return {
+            "modules": modules,
+            "optimizers": [w.optimizer for w in self._wrapped],
+            "schedulers": list(self._schedulers),
+            "layout": Layout(self.replica_id, self.num_replicas, self.stage_id, self.num_stages),
+            "group": self.groups.control,
+        }
 
     # -- the job ---------------------------------------------------------------------
     def barrier(self) -> None:
