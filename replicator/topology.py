@@ -11,6 +11,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from replicator.errors import ReplicatorUsageError
+
 __all__ = ["Topology", "ProcessGroups", "discover", "build_process_groups", "DEFAULT_TIMEOUT_S"]
 
 # Long enough for a slow first step on a loaded machine, short enough that a stuck run ends
@@ -131,7 +133,7 @@ class ProcessGroups:
 def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroups:
     """Initialise torch.distributed (if the job has peers) and build every group once."""
     if topology.world_size % stages != 0:
-        raise ValueError(
+        raise ReplicatorUsageError(
             f"stages={stages} does not divide the world size {topology.world_size}: "
             f"launch a multiple of {stages} processes or change stages"
         )
