@@ -132,7 +132,8 @@ def _replicator_runner(repl: rp.Replicator, model: torch.nn.Module, optimizer: t
 
     def run(batches: list[Batch], stamps: list[float]) -> None:
         if loop == "run":
-            for _ in repl.run(step_fn, batches, steps=len(batches), progress=False, warmup_steps=0):
+            # run() counts steps over the whole training: ask for this many more.
+            for _ in repl.run(step_fn, batches, steps=repl.global_step + len(batches), progress=False, warmup_steps=0):
                 stamps.append(time.perf_counter())
         else:
             for batch in batches:

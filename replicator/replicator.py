@@ -322,8 +322,9 @@ class Replicator:
     ) -> Iterator[tuple[int, Any]]:
         """Run `step_fn(ctx, batch)` on every replica; yield `(step, output)` for each step.
 
-        Steps count from 0, or from `repl.global_step` after a restore. The run ends once
-        `steps` steps are done in all (restored ones included) or when any replica's input
+        Steps are numbered over the whole training: from `repl.global_step`, which earlier
+        run() calls and restore() advance. The run ends once `steps` steps are done in all
+        (earlier and restored ones included) or when any replica's input
         runs out, on every replica at the same step. At the end replica 0 prints the
         step-time breakdown and `repl.last_run` holds the figures.
 
