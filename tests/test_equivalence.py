@@ -12,7 +12,7 @@ from replicator.testing import run_replicas
 GLOBAL_BATCH = 16
 STEPS = 3
 ATOL = 1e-5
-CASES = ["sgd", "adam", "accumulate", "unused", "frozen", "batchnorm", "clip_schedule", "gan"]
+CASES = ["sgd", "adam", "accumulate", "unused", "frozen", "batchnorm", "clip_schedule", "gan", "two_backwards"]
 
 
 class WithUnused(torch.nn.Module):
@@ -68,6 +68,13 @@ def gan_step(generator, discriminator, g_opt, d_opt, real: torch.Tensor, noise: 
     return g_loss.detach()
 
 
+def backward_in_halves(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Two backward passes into gradients kept from the last step (zeroed, not freed)."""
+    half = x.shape[0] // 2
+    (0.5 * F.cross_entropy(model(x[:half]), y[:half])).backward()
+    (0.5 * F.cross_entropy(model(x[half:]), y[half:])).backward()
+
+
 def state_of(*modules: torch.nn.Module) -> list[torch.Tensor]:
     return [t.detach().clone() for m in modules for t in m.state_dict().values() if t.is_floating_point()]
 
@@ -88,6 +95,11 @@ def reference(case: str) -> list[torch.Tensor]:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     for step in range(STEPS):
         x, y = global_batch(step)
+        if case == "two_backwards":
+            optimizer.zero_grad(set_to_none=False)
+            backward_in_halves(model, x, y)
+            optimizer.step()
+            continue
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         if case == "clip_schedule":
@@ -131,6 +143,11 @@ def replicated(case: str) -> list[torch.Tensor]:
         x, y = batch
         if case == "gan":
             return ctx.all_mean(gan_step(generator, discriminator, g_opt, d_opt, x, x[:, :4] * 0.5))
+        if case == "two_backwards":
+            optimizer.zero_grad(set_to_none=False)
+            backward_in_halves(model, x, y)
+            optimizer.step()
+            return None
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()

@@ -59,6 +59,10 @@ class Bucket:
         else:
             if grad.is_sparse:
                 raise TypeError("sparse gradients are not supported by the gradient synchronizer; use dense embeddings")
+            if grad.data_ptr() == view.data_ptr():
+                # .grad still is this bucket's view from the last step (zero_grad kept it):
+                # give it its own storage before the buffer is scaled and reduced in place.
+                grad = self.params[position].grad = grad.clone()
             torch.mul(grad, scale, out=view)
             self.flags[position] = 1
         self.ready.add(position)

@@ -159,21 +159,14 @@ class GradientSynchronizer:
             return
         self._flush()
         self._wait_all()
-        targets: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
         for bucket in self.buckets:
             # Counts are read back only where this replica had no gradient of its own.
             counts = None if all(bucket.flags) else bucket.presence().tolist()
             for position, param in enumerate(bucket.params):
-                if counts is not None and counts[position] == 0:
-                    param.grad = None
-                elif param.grad is None:
-                    param.grad = bucket.gradient_view(position).clone()
-                else:
-                    targets.append(param.grad)
-                    sources.append(bucket.gradient_view(position))
-        if targets:
-            torch._foreach_copy_(targets, sources)
+                # .grad becomes a view of the reduced bucket: no copy back (DDP's
+                # gradient_as_bucket_view); load() unties it if it is still there next step.
+                no_replica_had_one = counts is not None and counts[position] == 0
+                param.grad = None if no_replica_had_one else bucket.gradient_view(position)
         self._reduced = True
 
     def end_window(self, discard: bool = False) -> None:
