@@ -256,6 +256,8 @@ class Replicator:
             deferred_batchnorm=deferred_batchnorm, balance_group=self.groups.control,
             replica=self.replica_id, no_sync=self.no_sync,
         )
+        if self.num_replicas > 1:
+            _fail_together(stage, self.agreement)
         self._stages.append(stage)
         return stage
 
@@ -617,6 +619,28 @@ def _synchronized_closure(repl: Replicator, synchronizer: GradientSynchronizer, 
         return loss
 
     return synchronized
+
+
+def _fail_together(stage: Any, agreement: Agreement) -> None:
+    """Make a pipeline step that fails on one replica fail on every replica.
+
+    A stage's failure reaches the other stages of its own replica; without this, the other
+    replicas would wait in gradient averaging until the timeout.
+    """
+    from replicator.pipeline import PipelineError
+
+    train_step = stage.train_step
+
+    def train_step_everywhere(*args: Any, **kwargs: Any) -> Any:
+        try:
+            loss = train_step(*args, **kwargs)
+        except PipelineError as error:
+            agreement.require_same(f"pipeline train_step failed: {error}"[:200])
+            raise  # every replica failed alike: its own error says it best
+        agreement.require_same("pipeline train_step succeeded")
+        return loss
+
+    stage.train_step = train_step_everywhere
 
 
 def _next_batch(iterator: Iterator[Any]) -> tuple[Any, bool, float]:

@@ -72,3 +72,26 @@ def test_stages_that_do_not_divide_the_world_fail_everywhere() -> None:
         run_replicas(wrong_stage_count, 2, timeout_s=60)
     assert [e.rank for e in caught.value.errors] == [0, 1]
     assert all("stages=3 does not divide the world size 2" in e.message for e in caught.value.errors)
+
+
+def one_replica_has_a_bad_loss() -> None:
+    repl = rp.Replicator(stages=2, chunks=2)
+    with repl.scope():
+        pipe = repl.pipeline(layers(), balance=BALANCE)
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+    x, y = batch(0)
+    # Replica 1's loss is per sample (reduction="none"): not a scalar.
+    loss_fn = (lambda out, t: F.cross_entropy(out, t, reduction="none")) if repl.replica_id == 1 else F.cross_entropy
+    optimizer.zero_grad()
+    pipe.train_step(x[:8], y[:8], loss_fn)
+    optimizer.step()
+
+
+def test_a_pipeline_failure_on_one_replica_fails_every_replica() -> None:
+    with pytest.raises(ReplicaFailure) as caught:
+        run_replicas(one_replica_has_a_bad_loss, 4, timeout_s=90, env={"REPLICATOR_TIMEOUT": "60"})
+    errors = caught.value.errors
+    assert [e.rank for e in errors] == [0, 1, 2, 3], caught.value
+    for error in errors:
+        assert error.kind == "ReplicaMismatchError", error
+        assert "pipeline train_step failed" in error.message and "succeeded" in error.message
