@@ -537,6 +537,11 @@ class Replicator:
             wrapped.synchronizer.remove()
         getattr(self.reducer, "close", lambda: None)()
         if self._created_process_group and dist.is_initialized():
+            # Tear down together: a replica that closes its sockets while a peer is still
+            # finishing its last collective can make that peer abort at exit.
+            with contextlib.suppress(RuntimeError):
+                if self.groups.control is not None:
+                    dist.barrier(group=self.groups.control)
             dist.destroy_process_group()
             self._created_process_group = False
 
