@@ -70,9 +70,11 @@ class ReplicatedInput:
         self._resume = (int(state["batches"]), state.get("epoch_rng"))
 
     def __iter__(self) -> Iterator[Any]:
-        sampler = getattr(self.source, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self.epoch)
+        # A DataLoader built with batch_sampler= hides the shuffling sampler one level down.
+        batch_sampler = getattr(self.source, "batch_sampler", None)
+        for sampler in (getattr(self.source, "sampler", None), getattr(batch_sampler, "sampler", None)):
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self.epoch)
         self.epoch += 1
         skip, epoch_rng = self._resume or (0, None)
         self._resume = None

@@ -64,3 +64,17 @@ def uneven_steps() -> int:
 
 def test_uneven_inputs_stop_every_replica_at_the_same_step() -> None:
     assert run_replicas(uneven_steps, 2, timeout_s=60) == [3, 3]
+
+
+def test_epochs_reshuffle_behind_a_batch_sampler() -> None:
+    from replicator.inputs import ReplicatedInput
+
+    def input_fn(ctx: rp.InputContext):
+        data = torch.arange(40)
+        batches = torch.utils.data.BatchSampler(ctx.sampler(data, seed=1), batch_size=4, drop_last=True)
+        return torch.utils.data.DataLoader(data, batch_sampler=batches)
+
+    context = rp.InputContext(num_replicas=2, replica_id=0, input_pipeline_id=0, num_input_pipelines=2)
+    inputs = ReplicatedInput(input_fn, context, torch.device("cpu"))
+    first, second = (torch.cat(list(inputs)).tolist() for _ in range(2))
+    assert len(first) == len(second) == 20 and first != second  # a new epoch, a new order

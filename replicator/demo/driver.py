@@ -15,7 +15,7 @@ __all__ = ["run_demo", "PER_REPLICA_BATCH", "TIMING_STEPS"]
 # Weak scaling: every replica always processes this many images per step, so N replicas
 # train on N times the global batch and should deliver N times the images per second.
 PER_REPLICA_BATCH = 128
-TIMING_STEPS = 15  # the first 5 are warm-up and excluded from images/s
+TIMING_STEPS = 20  # the first 5 are warm-up and excluded from images/s
 ACCURACY_TARGET = 0.95
 SCRIPT = "replicator.demo.digits"
 
