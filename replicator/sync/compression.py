@@ -6,10 +6,9 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
-from replicator.sync.summation import Summation, check_group
-from replicator.sync.worker import PendingWork, ReductionWorker
+from replicator.sync.summation import Summation
+from replicator.sync.worker import BucketReducer
 
 if TYPE_CHECKING:
     from replicator.sync.bucket import Bucket
@@ -23,7 +22,7 @@ WIRE_TYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _EXACT_COUNTS = {torch.float16: 2048, torch.bfloat16: 256}
 
 
-class CastReducer:
+class CastReducer(BucketReducer):
     """Sums a bucket's gradients in a 16-bit type; the presence slots stay exact.
 
     With `error_feedback`, what the cast loses on this replica is kept (per bucket) and
@@ -42,28 +41,14 @@ class CastReducer:
         # fp16 tops out at 65504: scaling by 1/N before the sum keeps N large gradients in range,
         # at the price of flushing those below ~6e-8 * N to zero (error feedback recovers them).
         # bf16 has fp32's range and needs no scaling.
-        self._replicas = summation.size
+        super().__init__(self.name, summation.size)
         self._prescale = self.dtype == torch.float16 and self._replicas > 1
         self._presence_on_wire = self._replicas <= _EXACT_COUNTS[self.dtype]
         self._residuals: weakref.WeakKeyDictionary[Bucket, torch.Tensor] = weakref.WeakKeyDictionary()
-        self._worker = ReductionWorker(self.name)
-        self._checked: set[int] = set()
-
-    def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup, bucket: Bucket | None = None) -> PendingWork:
-        if bucket is None:
-            raise TypeError(
-                f"the {self.name} reducer needs the bucket (where its gradients end and its presence slots begin, "
-                "and a key for its error-feedback state): call reduce(buffer, group, bucket)"
-            )
-        check_group(group, self._replicas, self.name, self._checked)
-        return self._worker.submit(lambda: self._reduce(buffer, bucket), f"{self.name} reduction of bucket {bucket.index}", buffer.device)
 
     def residual(self, bucket: Bucket) -> torch.Tensor | None:
         """What this replica still owes to the sum of `bucket` (None before its first reduction)."""
         return self._residuals.get(bucket)
-
-    def close(self) -> None:
-        self._worker.close()
 
     def _reduce(self, buffer: torch.Tensor, bucket: Bucket) -> None:
         numel = bucket.numel

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
-from replicator.sync.summation import Summation, check_group
-from replicator.sync.worker import PendingWork, ReductionWorker
+from replicator.sync.summation import Summation
+from replicator.sync.worker import BucketReducer
 
 if TYPE_CHECKING:
     from replicator.sync.bucket import Bucket
@@ -41,7 +40,7 @@ class _BucketState:
     rounds: int = 0
 
 
-class PowerSGDReducer:
+class PowerSGDReducer(BucketReducer):
     """Sends each large gradient matrix M (a parameter's gradient reshaped to
     shape[0] x rest) as two thin factors, P = M Q and Q' = M^T orth(P), both summed.
 
@@ -67,19 +66,8 @@ class PowerSGDReducer:
         self.warm_start = warm_start
         self.seed = seed
         self.name = f"powersgd:{rank}" + ("" if error_feedback else "+noef") + ("" if summation.name == "flat" else "@" + summation.name)
-        self._replicas = summation.size
+        super().__init__(self.name, summation.size)
         self._states: weakref.WeakKeyDictionary[Bucket, _BucketState] = weakref.WeakKeyDictionary()
-        self._worker = ReductionWorker(self.name)
-        self._checked: set[int] = set()
-
-    def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup, bucket: Bucket | None = None) -> PendingWork:
-        if bucket is None:
-            raise TypeError(
-                f"the {self.name} reducer needs the bucket (its parameters' shapes, where its gradients end, and a key "
-                "for its state): call reduce(buffer, group, bucket)"
-            )
-        check_group(group, self._replicas, self.name, self._checked)
-        return self._worker.submit(lambda: self._reduce(buffer, bucket), f"{self.name} reduction of bucket {bucket.index}", buffer.device)
 
     def residual(self, bucket: Bucket) -> torch.Tensor | None:
         """What this replica still owes to the sum of `bucket` (None before its first reduction)."""
@@ -90,9 +78,6 @@ class PowerSGDReducer:
         """Elements this reducer sends for `bucket` per round (the bucket sends numel + slots uncompressed)."""
         state = self._state(bucket)
         return state.plain_numel + state.p_numel + len(bucket.params) + state.q_numel
-
-    def close(self) -> None:
-        self._worker.close()
 
     def _state(self, bucket: Bucket) -> _BucketState:
         state = self._states.get(bucket)

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from replicator.sync.bucket import Bucket
 
 __all__ = ["ReductionWorker", "PendingWork"]
 
@@ -101,3 +106,36 @@ def _on_stream_after_caller(job: Callable[[], None], device: torch.device | None
             torch.cuda.current_stream(device).synchronize()
 
     return on_stream
+
+
+class BucketReducer:
+    """Base of reducers that keep state per bucket and reduce on their own background thread.
+
+    Subclasses set `name` and `summation` and implement `_reduce(buffer, bucket)`.
+    """
+
+    name: str
+
+    def __init__(self, name: str, replicas: int) -> None:
+        self.name = name
+        self._replicas = replicas
+        self._worker = ReductionWorker(name)
+        self._checked: set[int] = set()
+
+    def reduce(self, buffer: torch.Tensor, group: "dist.ProcessGroup", bucket: "Bucket | None" = None) -> PendingWork:
+        if bucket is None:
+            raise TypeError(
+                f"the {self.name} reducer needs the bucket (where its gradients end and its presence slots begin, "
+                "and a key for its per-bucket state): call reduce(buffer, group, bucket)"
+            )
+        from replicator.sync.summation import check_group
+
+        check_group(group, self._replicas, self.name, self._checked)
+        return self._worker.submit(lambda: self._reduce(buffer, bucket), f"{self.name} reduction of bucket {bucket.index}",
+                                   buffer.device)
+
+    def close(self) -> None:
+        self._worker.close()
+
+    def _reduce(self, buffer: torch.Tensor, bucket: "Bucket") -> None:
+        raise NotImplementedError
