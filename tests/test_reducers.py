@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import math
 from typing import Any
 
@@ -34,7 +35,7 @@ def test_names_parse() -> None:
 
 
 @pytest.mark.parametrize("bad", ["ring", "powersgd", "powersgd:0", "fp16+fast", "hierarchical:2xa", "hierarchical:0x2",
-                                 "flat+ef", "fp16@ring"])
+                                 "flat+ef", "fp16@ring", "fp16@shm"])
 def test_unknown_names_are_refused_with_the_list(bad: str) -> None:
     with pytest.raises(ValueError, match="unknown reducer .*available: 'flat'"):
         parse_reducer(bad)
@@ -252,7 +253,7 @@ def _two_nodes_of_two() -> dict[str, Any]:
     groups = build_process_groups(discover())
     out: dict[str, Any] = {"lossless": _lossless(groups, ["hierarchical", "multilevel:2x1x2", "hierarchical:1x2x2", "auto"])}
     errors = {}
-    for spec in ["hierarchical:4x1", "hierarchical:2x3"]:
+    for spec in ["hierarchical:4x1", "hierarchical:2x3", "shm"]:
         try:
             make_reducer(spec, groups)
         except ValueError as error:
@@ -274,6 +275,23 @@ def _four_nodes_of_one() -> dict[str, Any]:
     except ValueError as error:
         out["error"] = str(error)
     return out
+
+
+def _one_node_of_three() -> dict[str, Any]:
+    groups = build_process_groups(discover())
+    out: dict[str, Any] = {"lossless": _lossless(groups, ["shm", "auto", "flat"])}
+    out["train"] = {spec: _train(spec) for spec in ["flat", "shm"]}
+    reducer = make_reducer("shm", groups)
+    reducer.reduce(torch.ones(5), groups.replica).wait()
+    prefix = reducer.summation.path_prefix  # type: ignore[attr-defined]
+    out["left in /dev/shm"] = glob.glob(prefix + "*")
+    reducer.close()  # type: ignore[attr-defined]
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_by_three() -> list[dict[str, Any]]:
+    return run_replicas(_one_node_of_three, 3, timeout_s=120)
 
 
 @pytest.fixture(scope="module")
@@ -309,6 +327,18 @@ def test_hierarchical_equals_flat_on_two_nodes_of_two(two_by_two: list[dict[str,
                      "hierarchical:1x2x2": "hierarchical:1x2x2", "auto": "hierarchical:2x2"}
 
 
+def test_shared_memory_equals_flat_on_one_node(one_by_three: list[dict[str, Any]]) -> None:
+    _check_lossless(one_by_three)  # three replicas: slices of uneven length, some empty
+    names = {spec: r["name"] for spec, r in one_by_three[0]["lossless"].items()}
+    assert names == {"shm": "shm", "auto": "shm", "flat": "flat"}  # one node on CPU: auto picks shared memory
+    flat_params, shm_params = one_by_three[0]["train"]["flat"][1], one_by_three[0]["train"]["shm"][1]
+    for a, b in zip(shm_params, flat_params):
+        assert torch.allclose(a, b, rtol=0, atol=1e-5), "training through shared memory must match flat to fp32 round-off"
+    for result in one_by_three[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(result["train"]["shm"][1], shm_params)), "replicas must agree bit for bit"
+    assert all(not result["left in /dev/shm"] for result in one_by_three), "shared segments must be unlinked once mapped"
+
+
 def test_hierarchical_with_stages(two_by_two: list[dict[str, Any]]) -> None:
     _check_lossless(two_by_two, "stages", stages=2)
 
@@ -322,6 +352,7 @@ def test_levels_that_do_not_fit_raise_on_every_rank(two_by_two: list[dict[str, A
     for result in two_by_two:
         assert "node boundary" in result["errors"]["hierarchical:4x1"]
         assert "multiply to 6 but this job has 4 replicas" in result["errors"]["hierarchical:2x3"]
+        assert "reducer 'shm' cannot be used here: the replicas span 2 nodes" in result["errors"]["shm"]
     for result in four_by_one:
         assert "multiply to 8 but this job has 4 replicas" in result["error"] and "'hierarchical:1x4'" in result["error"]
 

@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import math
 from datetime import timedelta
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from replicator.sync.ring import all_gather_, reduce_scatter_
-from replicator.sync.summation import check_group, replica_partition
-from replicator.sync.worker import PendingWork, ReductionWorker
+from replicator.sync.summation import replica_partition
 from replicator.topology import ProcessGroups
 
-if TYPE_CHECKING:
-    from replicator.sync.bucket import Bucket
-
-__all__ = ["HierarchicalSum", "HierarchicalReducer", "replicas_per_node", "plan_levels", "level_groups", "processes_per_node"]
+__all__ = ["HierarchicalSum", "replicas_per_node", "plan_levels", "level_groups", "processes_per_node"]
 
 
 def processes_per_node(groups: ProcessGroups) -> int:
@@ -143,22 +139,3 @@ class HierarchicalSum:
             all_gather_(whole, ranks, index, group)
         if work is not flat:
             flat.copy_(work[:length])
-
-
-class HierarchicalReducer:
-    """Sums each bucket with a HierarchicalSum on a background thread; returns at once."""
-
-    def __init__(self, summation: HierarchicalSum) -> None:
-        self.summation = summation
-        self.name = summation.name
-        self._worker = ReductionWorker(self.name)
-        self._checked: set[int] = set()
-
-    def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup, bucket: Bucket | None = None) -> PendingWork:
-        check_group(group, self.summation.size, self.name, self._checked)
-        label = f"{self.name} reduction of bucket {bucket.index if bucket is not None else '?'}"
-        return self._worker.submit(lambda: self.summation.sum_(buffer), label, buffer.device)
-
-    def close(self) -> None:
-        self._worker.close()
-

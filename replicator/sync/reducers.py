@@ -12,9 +12,11 @@ import torch
 import torch.distributed as dist
 
 from replicator.sync.compression import CastReducer
-from replicator.sync.hierarchical import HierarchicalReducer, HierarchicalSum, plan_levels, processes_per_node
+from replicator.sync.hierarchical import HierarchicalSum, plan_levels, processes_per_node
 from replicator.sync.powersgd import PowerSGDReducer
+from replicator.sync.shared_memory import SharedMemorySum, shared_memory_usable
 from replicator.sync.summation import FlatSum, Summation, replica_partition
+from replicator.sync.worker import SummationReducer
 from replicator.topology import DEFAULT_TIMEOUT_S, ProcessGroups
 
 if TYPE_CHECKING:
@@ -23,7 +25,8 @@ if TYPE_CHECKING:
 __all__ = ["Reducer", "PendingReduction", "FlatReducer", "make_reducer", "parse_reducer", "ReducerSpec", "REDUCER_NAMES"]
 
 REDUCER_NAMES = (
-    "'flat', 'auto' (hierarchical across nodes, else flat), 'hierarchical', 'hierarchical:XxYxZ' (alias "
+    "'flat', 'shm' (through shared memory, replicas on one node, CPU), 'auto' (shm on one node on CPU, "
+    "hierarchical across nodes, else flat), 'hierarchical', 'hierarchical:XxYxZ' (alias "
     "'multilevel:XxYxZ'; level sizes innermost first, e.g. 4x2x2 = 4 per node x 2 nodes per rack x 2 racks), "
     "'fp16', 'bf16' (add '+ef' for error feedback), 'powersgd:R' (rank R; '+noef' turns its error feedback off); "
     "a compressed one may name its topology after '@', e.g. 'fp16+ef@hierarchical' or 'powersgd:4@auto'"
@@ -77,7 +80,7 @@ class _WithoutBucket:
 class ReducerSpec:
     """A parsed reducer name: an optional compressor over a topology."""
 
-    topology: str  # "flat", "auto" or "hierarchical"
+    topology: str  # "flat", "shm", "auto" or "hierarchical"
     levels: tuple[int, ...] | None = None  # explicit hierarchical levels, innermost first
     compressor: str | None = None  # "fp16", "bf16" or "powersgd"
     rank: int = 0  # PowerSGD's rank
@@ -98,7 +101,7 @@ def parse_reducer(spec: str) -> ReducerSpec:
     levels: tuple[int, ...] | None = None
     if not at:
         head, topology_text = (None, head) if not head.startswith(("fp16", "bf16", "powersgd")) else (head, "flat")
-    if topology_text in ("flat", "auto", "hierarchical"):
+    if topology_text in ("flat", "shm", "auto", "hierarchical"):
         topology = topology_text
     elif (match := _LEVELS.fullmatch(topology_text)) is not None:
         topology, levels = "hierarchical", tuple(int(size) for size in match.group(1).split("x"))
@@ -108,6 +111,8 @@ def parse_reducer(spec: str) -> ReducerSpec:
         raise unknown()
     if head is None:
         return ReducerSpec(topology, levels)
+    if topology == "shm":
+        raise unknown(": shared memory carries no wire to compress; use 'shm' alone")
     compressor, *flags = head.split("+")
     rank = 0
     if compressor.startswith("powersgd"):
@@ -125,14 +130,16 @@ def parse_reducer(spec: str) -> ReducerSpec:
     return ReducerSpec(topology, levels, compressor, rank, error_feedback)
 
 
-def make_reducer(spec: "str | Reducer", groups: ProcessGroups | None = None, *, timeout_s: float | None = None) -> Reducer:
+def make_reducer(spec: "str | Reducer", groups: ProcessGroups | None = None, *, timeout_s: float | None = None,
+                 device: torch.device | None = None) -> Reducer:
     """A reducer from its name (see REDUCER_NAMES), or the reducer object itself.
 
     `groups` (the job's process groups) lets topology-aware and compressing reducers build
     their own groups, which they do here, collectively: every rank must call make_reducer
     with the same spec at the same point. With one replica nothing travels, so every name
     gives the flat reducer (after its name is checked). `timeout_s` bounds the reducer's
-    collectives (default REPLICATOR_TIMEOUT, else 300 s).
+    collectives (default REPLICATOR_TIMEOUT, else 300 s). `device` is where the gradients
+    live (default CPU); 'auto' sums through shared memory only for host gradients.
     """
     if not isinstance(spec, str):
         if not callable(getattr(spec, "reduce", None)):
@@ -146,10 +153,18 @@ def make_reducer(spec: "str | Reducer", groups: ProcessGroups | None = None, *, 
     if groups.replica is None or len(groups.replica_ranks) == 1:
         return FlatReducer()
     timeout_s = float(os.environ.get("REPLICATOR_TIMEOUT", DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
-    return _build(spec, parsed, groups, timeout_s)
+    return _build(spec, parsed, groups, timeout_s, torch.device("cpu") if device is None else torch.device(device))
 
 
-def _build(spec: str, parsed: ReducerSpec, groups: ProcessGroups, timeout_s: float) -> Reducer:
+def _build(spec: str, parsed: ReducerSpec, groups: ProcessGroups, timeout_s: float, device: torch.device) -> Reducer:
+    shared_memory_refusal = shared_memory_usable(groups, device)
+    if parsed.topology == "shm":
+        if shared_memory_refusal is not None:
+            raise ValueError(f"reducer 'shm' cannot be used here: {shared_memory_refusal}; use 'flat' or 'auto'")
+        return SummationReducer(SharedMemorySum(groups, timeout_s))
+    if parsed.topology == "auto" and parsed.compressor is None and shared_memory_refusal is None:
+        # One node, host memory: adding rows of a shared mapping beats any socket.
+        return SummationReducer(SharedMemorySum(groups, timeout_s))
     levels: tuple[int, ...] | None = None
     if parsed.topology != "flat":
         partition = replica_partition(groups)
@@ -163,7 +178,7 @@ def _build(spec: str, parsed: ReducerSpec, groups: ProcessGroups, timeout_s: flo
         else:
             levels = plan_levels(partition, processes_per_node(groups), parsed.levels, spec)
     if parsed.compressor is None:
-        return FlatReducer() if levels is None else HierarchicalReducer(HierarchicalSum(groups, levels, timeout_s))
+        return FlatReducer() if levels is None else SummationReducer(HierarchicalSum(groups, levels, timeout_s))
     summation: Summation = FlatSum(groups, timeout_s) if levels is None else HierarchicalSum(groups, levels, timeout_s)
     if parsed.compressor == "powersgd":
         return PowerSGDReducer(summation, parsed.rank, error_feedback=parsed.error_feedback)

@@ -12,8 +12,9 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from replicator.sync.bucket import Bucket
+    from replicator.sync.summation import Summation
 
-__all__ = ["ReductionWorker", "PendingWork"]
+__all__ = ["ReductionWorker", "PendingWork", "SummationReducer", "BucketReducer"]
 
 
 class PendingWork:
@@ -106,6 +107,26 @@ def _on_stream_after_caller(job: Callable[[], None], device: torch.device | None
             torch.cuda.current_stream(device).synchronize()
 
     return on_stream
+
+
+class SummationReducer:
+    """Sums each bucket with a blocking, lossless summation on a background thread; returns at once."""
+
+    def __init__(self, summation: "Summation") -> None:
+        self.summation = summation
+        self.name = summation.name
+        self._worker = ReductionWorker(self.name)
+        self._checked: set[int] = set()
+
+    def reduce(self, buffer: torch.Tensor, group: "dist.ProcessGroup", bucket: "Bucket | None" = None) -> PendingWork:
+        from replicator.sync.summation import check_group
+
+        check_group(group, self.summation.size, self.name, self._checked)
+        label = f"{self.name} reduction of bucket {bucket.index if bucket is not None else '?'}"
+        return self._worker.submit(lambda: self.summation.sum_(buffer), label, buffer.device)
+
+    def close(self) -> None:
+        self._worker.close()
 
 
 class BucketReducer:

@@ -1,0 +1,119 @@
+"""SharedMemorySum: a lossless sum over replicas on one node through /dev/shm instead of sockets."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from replicator.sync.hierarchical import processes_per_node, replicas_per_node
+from replicator.sync.summation import replica_partition
+from replicator.topology import ProcessGroups
+
+__all__ = ["SharedMemorySum", "shared_memory_usable", "SHARED_MEMORY_DIR"]
+
+SHARED_MEMORY_DIR = "/dev/shm"
+
+
+def shared_memory_usable(groups: ProcessGroups, device: torch.device) -> str | None:
+    """None when every stage's replicas can sum through shared memory; else the reason they cannot."""
+    if device.type != "cpu":
+        return f"gradients live on {device}, not in host memory"
+    if not os.path.isdir(SHARED_MEMORY_DIR) or not os.access(SHARED_MEMORY_DIR, os.W_OK):
+        return f"{SHARED_MEMORY_DIR} is missing or not writable"
+    partition = replica_partition(groups)
+    try:
+        per_node = replicas_per_node(partition[0], processes_per_node(groups))
+    except ValueError as error:
+        return str(error)
+    if per_node != len(partition[0]):
+        return f"the replicas span {len(partition[0]) // per_node} nodes"
+    return None
+
+
+class _Segment:
+    """One mapping of `replicas` rows of `numel` elements, shared by the node's replicas.
+
+    Row i is replica i's contribution, then the slice it owns is summed in place there.
+    """
+
+    def __init__(self, path: str, replicas: int, numel: int, dtype: torch.dtype) -> None:
+        size = replicas * numel * torch.empty((), dtype=dtype).element_size()
+        # 0600 and a random name: only this user's processes that were told the name can map it.
+        descriptor = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(descriptor, size)  # every replica asks for the same size: idempotent
+            self._mapping = mmap.mmap(descriptor, size)
+        finally:
+            os.close(descriptor)
+        self.rows = torch.frombuffer(self._mapping, dtype=dtype).view(replicas, numel)
+
+
+class SharedMemorySum:
+    """Sums a tensor in place over the replicas of this stage, all on one node, through /dev/shm.
+
+    Each replica copies its tensor into its own row of a shared mapping; after a barrier,
+    replica i adds up slice i of every row into its own row (a reduce-scatter with no
+    sockets and no kernel copies); after a second barrier every replica copies all the
+    summed slices out (the all-gather); a third barrier keeps anyone from overwriting its row
+    while a peer still reads it. The barriers are tiny Gloo messages on the reducer's own
+    group, so a missing replica still ends in a timeout, not a hang. Each slice is summed
+    by one replica and read by all, so every replica ends with identical bits.
+    """
+
+    name = "shm"
+
+    def __init__(self, groups: ProcessGroups, timeout_s: float) -> None:
+        self.size = len(groups.replica_ranks)
+        self.position = groups.replica_ranks.index(dist.get_rank())
+        me = dist.get_rank()
+        self.group: dist.ProcessGroup | None = None
+        stage = 0
+        for stage_index, ranks in enumerate(replica_partition(groups)):
+            # Gloo barriers even when the job runs NCCL: they guard host memory.
+            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo")
+            if me in ranks:
+                self.group, stage = group, stage_index
+        assert self.group is not None
+        # A name nobody can guess, agreed on by the stage's replicas: the first one draws it.
+        token = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+        dist.broadcast(token, src=groups.replica_ranks[0], group=self.group)
+        self.path_prefix = os.path.join(SHARED_MEMORY_DIR, f"replicator-{int(token):x}-stage{stage}")
+        self._segments: dict[tuple[int, torch.dtype], _Segment] = {}
+
+    def _segment(self, numel: int, dtype: torch.dtype) -> _Segment:
+        key = (numel, dtype)
+        if key not in self._segments:
+            # Every replica meets the same buckets in the same order, so the names agree.
+            path = f"{self.path_prefix}-{len(self._segments)}"
+            segment = _Segment(path, self.size, numel, dtype)
+            dist.barrier(group=self.group)  # every replica has mapped it ...
+            try:
+                os.unlink(path)  # ... so the name can go: the memory lives until the last unmap
+            except FileNotFoundError:
+                pass  # a peer removed it first
+            self._segments[key] = segment
+        return self._segments[key]
+
+    def sum_(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cpu":
+            raise TypeError(f"the shared-memory reducer sums host tensors only, got one on {tensor.device}; use 'flat'")
+        flat = tensor.view(-1)
+        rows = self._segment(flat.numel(), flat.dtype).rows
+        bounds = [flat.numel() * k // self.size for k in range(self.size + 1)]
+        mine = slice(bounds[self.position], bounds[self.position + 1])
+        rows[self.position].copy_(flat)
+        dist.barrier(group=self.group)
+        total = rows[self.position, mine]
+        for other in range(self.size):
+            if other != self.position:
+                total.add_(rows[other, mine])
+        dist.barrier(group=self.group)
+        for owner in range(self.size):
+            owned = slice(bounds[owner], bounds[owner + 1])
+            flat[owned].copy_(rows[owner, owned])
+        dist.barrier(group=self.group)
