@@ -2,7 +2,7 @@
 
 from replicator import nn
 from replicator.context import InputContext, ReplicaContext
-from replicator.errors import ReplicaMismatchError, ReplicatorError, ReplicatorUsageError
+from replicator.errors import NonFiniteError, ReplicaMismatchError, ReplicatorError, ReplicatorUsageError
 from replicator.replicator import Replicator
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "ReplicatorError",
     "ReplicaMismatchError",
     "ReplicatorUsageError",
+    "NonFiniteError",
     "nn",
 ]
 __version__ = "0.1.0"

@@ -63,12 +63,18 @@ def _decode(raw: np.ndarray) -> str:
 
 
 class Agreement:
-    """Exchanges intents on a control group; a no-op for a single replica."""
+    """Exchanges intents on a control group; a no-op for a single replica.
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    With `trail` (debug mode) every check also leaves this process's latest intent and
+    call site in the job's store, so that a timeout can say where each straggler was.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, trail: bool = False) -> None:
         self.group = group
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
+        self.trail = trail and group is not None
+        self._checks = 0
 
     def exchange(self, signature: str, site: str = "", values: Sequence[float] = ()) -> list[Intent]:
         """Every replica's intent, in replica order. Raises nothing; see `require_same`."""
@@ -109,6 +115,10 @@ class Agreement:
         signature hash and of each value. Only when they differ do replicas exchange full
         intents (all of them see the same maxima, so all of them take that path together).
         """
+        if self.trail:
+            self._checks += 1
+            where = f" at {site}" if site else ""
+            _store().set(f"{_TRAIL_KEY}{dist.get_rank()}", f"check #{self._checks} of its group: {signature}{where}")
         return PendingAgreement(self, signature, site, [int(v) for v in values])
 
 
@@ -154,6 +164,13 @@ class PendingAgreement:
         return self._verdict
 
 
+_TRAIL_KEY = "replicator/trail/"
+
+
+def _store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
 def raise_with_stragglers(group: dist.ProcessGroup | None, where: str, error: BaseException) -> None:
     """Re-raise a failed or timed-out collective naming the replicas that never arrived.
 
@@ -164,7 +181,7 @@ def raise_with_stragglers(group: dist.ProcessGroup | None, where: str, error: Ba
     from replicator.errors import ReplicatorError
 
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = _store()
         ranks = dist.get_process_group_ranks(group) if group is not None else [0]
         me = dist.get_rank()
         store.set(f"replicator/stuck/{me}", where)
@@ -172,16 +189,20 @@ def raise_with_stragglers(group: dist.ProcessGroup | None, where: str, error: Ba
         while time.monotonic() < deadline and not store.check([f"replicator/stuck/{r}" for r in ranks]):
             time.sleep(0.1)
         notes = {r: store.get(f"replicator/stuck/{r}").decode() for r in ranks if store.check([f"replicator/stuck/{r}"])}
+        missing = [r for r in ranks if r not in notes]
+        trails = {r: store.get(f"{_TRAIL_KEY}{r}").decode() for r in missing if store.check([f"{_TRAIL_KEY}{r}"])}
     except Exception:  # the store itself may be gone with a dead master: keep the original error
         raise error
-    missing = [r for r in ranks if r not in notes]
     elsewhere = {r: note for r, note in notes.items() if note != where}
     lines = [f"a collective failed or timed out while rank {me} waited at '{where}': {error}".strip()]
     if missing:
         lines.append(f"  rank(s) {missing} never arrived (still computing, blocked outside a collective, or dead)")
+        for rank, trail in sorted(trails.items()):
+            lines.append(f"  rank {rank}'s last collective (debug trail): {trail}")
     for rank, note in sorted(elsewhere.items()):
         lines.append(f"  rank {rank} was stuck at '{note}' instead")
-    lines.append("Raise REPLICATOR_TIMEOUT if a step legitimately takes longer; REPLICATOR_DEBUG=1 fingerprints every bucket.")
+    lines.append("Raise REPLICATOR_TIMEOUT if a step legitimately takes longer; REPLICATOR_DEBUG=1 fingerprints every "
+                 "collective and shows where each straggler last was.")
     raise ReplicatorError("\n".join(lines)) from error
 
 

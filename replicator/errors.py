@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ReplicatorError", "ReplicaMismatchError", "ReplicatorUsageError"]
+__all__ = ["ReplicatorError", "ReplicaMismatchError", "ReplicatorUsageError", "NonFiniteError"]
 
 
 class ReplicatorError(RuntimeError):
@@ -15,3 +15,7 @@ class ReplicaMismatchError(ReplicatorError):
 
 class ReplicatorUsageError(ReplicatorError, ValueError):
     """The API was used in a way that cannot work; the message says how to fix it."""
+
+
+class NonFiniteError(ReplicatorError):
+    """A loss or an averaged gradient was NaN or infinite; raised on every replica at the same step."""

@@ -18,6 +18,7 @@ from torch.nn.modules import module as module_hooks
 from replicator.agreement import Agreement, PendingAgreement
 from replicator.context import InputContext, ReplicaContext, set_active_context
 from replicator.errors import ReplicaMismatchError, ReplicatorUsageError
+from replicator.health import NONFINITE_POLICIES, NonFiniteError, nonfinite_outputs, require_identical
 from replicator.inputs import ReplicatedInput, batch_size_of
 from replicator.sync.reducers import Reducer, make_reducer
 from replicator.sync.synchronizer import GradientSynchronizer
@@ -46,14 +47,23 @@ class Replicator:
     """Runs single-device `input_fn`/`step_fn` code on every replica of the job.
 
     Args:
-        reducer: how gradient buckets are summed across replicas: "flat" (one all-reduce),
-            "auto", "hierarchical" (DDL-style, per node then across nodes),
+        reducer: how gradient buckets are summed across replicas: "auto" (the default:
+            through shared memory when every replica is on this node and on CPU,
+            hierarchical across nodes, else one all-reduce), "flat" (one all-reduce), "shm",
+            "hierarchical" (DDL-style, per node then across nodes),
             "hierarchical:XxYxZ", "fp16"/"bf16" (+"+ef" error feedback), "powersgd:R" — see
             replicator.sync.reducers.REDUCER_NAMES — or an object with `reduce(buffer, group, bucket)`.
         bucket_cap_mb: gradient bucket size; larger buckets mean fewer, bigger messages.
         timeout_s: a collective that waits longer than this raises instead of hanging
             (default 300 s, or REPLICATOR_TIMEOUT).
-        debug: also fingerprint every gradient bucket (default: REPLICATOR_DEBUG=1).
+        debug: fingerprint every collective, gradient buckets included, and leave a trail
+            of each replica's last collective so a timeout names where stragglers were
+            (default: REPLICATOR_DEBUG=1).
+        nonfinite: what a NaN or infinite loss (anything step_fn returns) or gradient does:
+            "raise" (the default) stops every replica with an error naming the replicas and
+            the step; "skip" also checks the averaged gradients before every update and
+            skips that update on every replica (one extra read of the gradients per step);
+            "ignore" checks nothing.
         stages, chunks, schedule, checkpoint: pipeline model parallelism (GPipe). The job's
             processes form replicas × stages; `repl.pipeline(layers)` returns this process's
             stage, which splits each batch into `chunks` micro-batches and runs `schedule`
@@ -67,10 +77,11 @@ class Replicator:
         chunks: int = 1,
         schedule: str = "gpipe",
         checkpoint: str = "except_last",
-        reducer: str | Reducer = "flat",
+        reducer: str | Reducer = "auto",
         bucket_cap_mb: float = 25.0,
         timeout_s: float | None = None,
         debug: bool | None = None,
+        nonfinite: str = "raise",
     ) -> None:
         self.topology = discover()
         threads = os.environ.get("REPLICATOR_THREADS")
@@ -80,19 +91,23 @@ class Replicator:
         self._created_process_group = self.topology.distributed and not dist.is_initialized()
         if stages < 1 or chunks < 1:
             raise ReplicatorUsageError(f"stages and chunks must be at least 1, got stages={stages}, chunks={chunks}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ReplicatorUsageError(f"nonfinite={nonfinite!r} is not one of {', '.join(map(repr, NONFINITE_POLICIES))}")
+        self.nonfinite = nonfinite
+        self.skipped_steps: list[int] = []  # steps whose update nonfinite="skip" dropped
         self.groups = build_process_groups(self.topology, stages=stages, timeout_s=timeout_s)
         self.num_stages, self.chunks, self.schedule, self.checkpoint = stages, chunks, schedule, checkpoint
         self.stage_id = self.groups.stage_ranks.index(self.topology.rank)
         if self._created_process_group:
             atexit.register(self.close)
         self.debug = _env_flag("REPLICATOR_DEBUG") if debug is None else debug
-        self.reducer = make_reducer(reducer, self.groups, timeout_s=timeout_s)
+        self.reducer = make_reducer(reducer, self.groups, timeout_s=timeout_s, device=self.topology.device)
         self.bucket_cap_bytes = int(bucket_cap_mb * (1 << 20))
         self.num_replicas = len(self.groups.replica_ranks)
         self.replica_id = self.groups.replica_ranks.index(self.topology.rank)
         self.device = self.topology.device
-        self.agreement = Agreement(self.groups.control)  # the whole job: steps, run summary
-        self.replica_agreement = Agreement(self.groups.replica_control)  # this stage's replicas
+        self.agreement = Agreement(self.groups.control, trail=self.debug)  # the whole job: steps, run summary
+        self.replica_agreement = Agreement(self.groups.replica_control, trail=self.debug)  # this stage's replicas
         self.context = ReplicaContext(self.replica_id, self.num_replicas, self.groups.replica, self.replica_agreement)
         set_active_context(self.context)
         self._times = StepTimes()
@@ -114,6 +129,7 @@ class Replicator:
         self._input_start = (0, 0)  # (step, batches consumed) when the current run's input began
         self._pending_input: dict[str, Any] | None = None  # a restored position, for the next run()
         self._restored = False
+        self._checked_identical = False  # run() compares the replicas' parameters once
 
     # -- identity ----------------------------------------------------------------------
     @property
@@ -297,7 +313,27 @@ class Replicator:
             if wrapped.calls % self._accumulation != self._accumulation - 1:
                 return None
             wrapped.synchronizer.finalize()
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        # The norm of averaged gradients is the same on every replica: so is this verdict.
+        if self.nonfinite == "raise" and not bool(torch.isfinite(norm)):
+            raise NonFiniteError(
+                f"the averaged gradients' norm is {float(norm)} at step {self.global_step} (raised on replica "
+                f"{self.replica_id}); some replica's loss or gradient overflowed or became NaN. Lower the learning "
+                "rate, check the data, or pass nonfinite='skip' to drop such updates on every replica"
+            )
+        return norm
+
+    def _skip_update(self, wrapped: _WrappedOptimizer) -> None:
+        """Drop this update on every replica: the averaged gradients, hence the verdict, are the same everywhere."""
+        for group in wrapped.optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
+        wrapped.synchronizer.end_window()
+        if self.global_step not in self.skipped_steps:
+            self.skipped_steps.append(self.global_step)
+        if self.is_main:
+            print(f"replicator: step {self.global_step}: the averaged gradients of {wrapped.synchronizer.label} are NaN "
+                  "or infinite; its update was skipped on every replica (nonfinite='skip')", flush=True)
 
     # -- input and the loop ------------------------------------------------------------
     def prepare_input(self, input_fn: Callable[[InputContext], Iterable[Any]]) -> ReplicatedInput:
@@ -356,18 +392,21 @@ class Replicator:
         self.context.on_wait = times.add_communication
         for wrapped in self._wrapped:
             wrapped.synchronizer.on_wait = times.add_communication
+        if not self._checked_identical:
+            self._require_identical_replicas()
         bar = Progress(steps, enabled=show)
         iterator = self._start_input(inputs)
         step = self.global_step
         ended_early: list[int] = []
+        nonfinite: list[str] = []  # where the last step's output was NaN or infinite
         try:
             batch, has_batch, waited = _next_batch(iterator)
             times.input_seconds += waited
-            pending = self._announce_step(step, batch, has_batch, steps)
+            pending = self._announce_step(step, batch, has_batch, steps, None)
             while steps is None or step < steps:
                 started = time.perf_counter()
                 if pending is not None:
-                    if self._must_stop(step, pending, has_batch, ended_early):
+                    if self._must_stop(step, pending, has_batch, ended_early, nonfinite):
                         break
                 elif not has_batch:
                     break
@@ -376,6 +415,7 @@ class Replicator:
                 times.add_communication(time.perf_counter() - started)
                 output = step_fn(self.context, batch)
                 _check_output(output)
+                nonfinite = [] if self.nonfinite == "ignore" else nonfinite_outputs(output)
                 times.step_seconds += time.perf_counter() - started
                 times.finish_step(size * self.num_replicas)
                 bar.update(step + 1, size * self.num_replicas, output)
@@ -387,9 +427,11 @@ class Replicator:
                     self.save(step_path(checkpoint_dir, self.global_step), keep=keep)  # type: ignore[arg-type]
                 batch, has_batch, waited = _next_batch(iterator)
                 times.input_seconds += waited
-                pending = self._announce_step(step + 1, batch, has_batch, steps)
+                pending = self._announce_step(step + 1, batch, has_batch, steps, nonfinite)
                 yield step, output
                 step += 1
+            if pending is not None:  # the last step's outputs are still to be judged
+                self._judge_outputs(step, pending.wait(), nonfinite)
         finally:
             bar.close()
         self._summarize(times, show, ended_early, step)
@@ -421,17 +463,62 @@ class Replicator:
             return self._input.state_dict(batches)
         return {"epoch": 0, "batches": batches}
 
-    def _announce_step(self, step: int, batch: Any, has_batch: bool, steps: int | None) -> PendingAgreement | None:
-        """Start agreeing on the next step (has a batch? of what size?) while the caller works."""
-        if self.num_replicas == 1 or (steps is not None and step >= steps):
+    def _announce_step(self, step: int, batch: Any, has_batch: bool, steps: int | None,
+                       nonfinite: list[str] | None) -> PendingAgreement | None:
+        """Start agreeing on the next step (has a batch? of what size?) while the caller works.
+
+        The announcement also carries whether the previous step's output was finite, so
+        that every replica learns of a NaN anywhere at no extra cost. Past the last step it
+        is still made when there is a previous step to judge (`nonfinite` is not None).
+        """
+        if self.num_replicas == 1:
+            if nonfinite and self.nonfinite == "raise":
+                raise NonFiniteError(self._nonfinite_message(step - 1, {0: nonfinite}))
+            return None
+        if steps is not None and step >= steps and (nonfinite is None or self.nonfinite == "ignore"):
             return None
         size = batch_size_of(batch) if has_batch else 0
-        return self.agreement.start(f"step {step}", "", [int(has_batch), size])
+        return self.agreement.start(f"step {step}", "", [int(has_batch), size, int(bool(nonfinite))])
 
-    def _must_stop(self, step: int, pending: PendingAgreement, has_batch: bool, ended_early: list[int]) -> bool:
+    def _judge_outputs(self, step: int, verdict: Any, nonfinite: list[str]) -> None:
+        """Raise on every replica if any replica's output of `step - 1` was NaN or infinite."""
+        if verdict.maxima[2] == 0 or self.nonfinite != "raise":
+            return
+        intents = self.agreement.exchange("non-finite outputs", "", [float(bool(nonfinite))])
+        spots = ", ".join(nonfinite) if nonfinite else "nothing here"
+        culprits = {i.replica: ["(see that replica's error)"] for i in intents if i.values[0]}
+        if nonfinite:
+            culprits[self.replica_id] = [spots]
+        raise NonFiniteError(self._nonfinite_message(step - 1, culprits))
+
+    def _nonfinite_message(self, step: int, culprits: dict[int, list[str]]) -> str:
+        listing = "; ".join(f"replica {replica}: {', '.join(spots)}" for replica, spots in sorted(culprits.items()))
+        return (
+            f"step_fn's output is NaN or infinite at step {step} on replica(s) {sorted(culprits)} ({listing}); raised "
+            f"on replica {self.replica_id}. Its gradients were averaged into every replica's update. Lower the "
+            "learning rate or check the data (a checkpoint from before this step is safe to resume from), or pass "
+            "rp.Replicator(nonfinite='skip') to drop such updates on every replica"
+        )
+
+    def _require_identical_replicas(self) -> None:
+        """Every replica of this stage must start run() with bit-identical parameters and buffers."""
+        named: dict[int, tuple[str, torch.Tensor]] = {}
+        for wrapped in self._wrapped:
+            for group in wrapped.optimizer.param_groups:
+                for param in group["params"]:
+                    named.setdefault(id(param), (self._names.get(id(param), f"parameter {tuple(param.shape)}"), param))
+        for module in self._modules:
+            for name, buffer in module.named_buffers():
+                named.setdefault(id(buffer), (f"{type(module).__name__}.{name}", buffer))
+        require_identical(self.replica_agreement, list(named.values()), "at the start of run()")
+        self._checked_identical = True
+
+    def _must_stop(self, step: int, pending: PendingAgreement, has_batch: bool, ended_early: list[int],
+                   nonfinite: list[str]) -> bool:
         """True when some replica has no batch for this step; raises on unequal batch sizes."""
         verdict = pending.wait()
-        (has_max, size_max), (has_min, size_min) = verdict.maxima, verdict.minima
+        self._judge_outputs(step, verdict, nonfinite)
+        (has_max, size_max, _), (has_min, size_min, _) = verdict.maxima, verdict.minima
         if has_min == 0:
             if has_max == 1:  # some replicas still had data: say who ran out
                 intents = self.agreement.exchange("input ended", "", [float(has_batch)])
@@ -593,6 +680,9 @@ def _patch_optimizer(repl: Replicator, wrapped: _WrappedOptimizer) -> None:
             return None
         if closure is None:
             synchronizer.finalize()
+            if repl.nonfinite == "skip" and not synchronizer.gradients_finite():
+                repl._skip_update(wrapped)
+                return None
             result = original_step()
         else:
             if repl._accumulation != 1:

@@ -16,8 +16,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from replicator.agreement import Agreement, PendingAgreement, raise_with_stragglers
+from replicator.agreement import Agreement, PendingAgreement, call_site, raise_with_stragglers
 from replicator.errors import ReplicatorUsageError
+from replicator.health import finite_sum
 from replicator.sync.bucket import Bucket, assign_buckets
 from replicator.sync.reducers import Reducer
 
@@ -105,7 +106,8 @@ class GradientSynchronizer:
             self._agreement_in_flight = self.agreement.start(f"gradient sync of {self.label}, window {self._windows}")
         if self.debug:
             started = time.perf_counter()
-            self.agreement.require_same(f"gradient bucket {bucket.index} of {self.label}, {bucket.buffer.numel()} elements")
+            self.agreement.require_same(f"gradient bucket {bucket.index} of {self.label}, {bucket.buffer.numel()} elements",
+                                        call_site())
             self.on_wait(time.perf_counter() - started)
         bucket.write_presence()
         bucket.launched = True
@@ -168,6 +170,12 @@ class GradientSynchronizer:
                 no_replica_had_one = counts is not None and counts[position] == 0
                 param.grad = None if no_replica_had_one else bucket.gradient_view(position)
         self._reduced = True
+
+    def gradients_finite(self) -> bool:
+        """After finalize(): are all averaged gradients finite? The same answer on every replica."""
+        if self.size > 1:
+            return finite_sum(bucket.buffer[: bucket.numel] for bucket in self.buckets)
+        return finite_sum(p.grad for p in self.params if p.grad is not None)
 
     def end_window(self, discard: bool = False) -> None:
         """Close the window after `step` (or `zero_grad`, which discards its reductions).

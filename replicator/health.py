@@ -1,0 +1,77 @@
+"""Numerical health across replicas: identical parameters and finite losses and gradients."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from replicator.agreement import Agreement
+from replicator.errors import NonFiniteError, ReplicaMismatchError
+
+__all__ = ["NONFINITE_POLICIES", "fingerprint", "require_identical", "nonfinite_outputs", "finite_sum"]
+
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+
+
+def fingerprint(tensor: torch.Tensor) -> int:
+    """A CRC of the tensor's bytes: equal exactly when the values are bit-for-bit equal."""
+    data = tensor.detach().to("cpu").reshape(-1)  # 1-d: a 0-d tensor cannot be viewed as bytes
+    return zlib.crc32(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+
+
+def require_identical(agreement: Agreement, named: list[tuple[str, torch.Tensor]], where: str) -> None:
+    """Raise on every replica unless all replicas hold bit-identical `named` tensors.
+
+    One agreement of a combined fingerprint in the common case; on a mismatch, the
+    per-tensor fingerprints are gathered so the error can name the first tensors that differ.
+    """
+    if agreement.size == 1:
+        return
+    prints = [fingerprint(tensor) for _, tensor in named]
+    combined = zlib.crc32(b"".join(value.to_bytes(4, "little") for value in prints))
+    layout = ";".join(f"{name}{tuple(tensor.shape)}{tensor.dtype}" for name, tensor in named)
+    verdict = agreement.start(f"parameters and buffers {where} ({len(named)} tensors, layout crc "
+                              f"{zlib.crc32(layout.encode())})", "", [combined]).wait()
+    if verdict.unanimous:
+        return
+    mine = torch.tensor(prints, dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(agreement.size)]
+    dist.all_gather(everyone, mine, group=agreement.group)
+    reference = everyone[0]
+    differing = {replica: [name for (name, _), a, b in zip(named, theirs.tolist(), reference.tolist()) if a != b]
+                 for replica, theirs in enumerate(everyone) if not torch.equal(theirs, reference)}
+    lines = [f"replicas hold different parameters or buffers {where} (raised on replica {agreement.rank}):"]
+    for replica, names in differing.items():
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        lines.append(f"  replica {replica} differs from replica 0 in {shown}")
+    lines.append(
+        "Training them together would average gradients of different models. Build and load the model inside "
+        "`with repl.scope():` (which copies replica 0's values to every replica) and do not change parameters "
+        "on some replicas only (for example loading a checkpoint on replica 0 alone: use repl.restore)."
+    )
+    raise ReplicaMismatchError("\n".join(lines))
+
+
+def nonfinite_outputs(output: Any, where: str = "output") -> list[str]:
+    """Where step_fn's output (tensors and numbers, nested in dicts, lists, tuples) is NaN or infinite."""
+    if isinstance(output, torch.Tensor):
+        if output.is_floating_point() or output.is_complex():
+            return [] if bool(torch.isfinite(output.detach()).all()) else [where]
+        return []
+    if isinstance(output, float):
+        return [] if math.isfinite(output) else [where]
+    if isinstance(output, dict):
+        return [spot for key, value in output.items() for spot in nonfinite_outputs(value, f"{where}[{key!r}]")]
+    if isinstance(output, (list, tuple)):
+        return [spot for index, value in enumerate(output) for spot in nonfinite_outputs(value, f"{where}[{index}]")]
+    return []
+
+
+def finite_sum(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when every element is finite: one summing pass per tensor (NaN and inf survive a sum)."""
+    totals = [tensor.sum(dtype=torch.float64) for tensor in tensors if tensor.numel()]
+    return not totals or bool(torch.isfinite(torch.stack(totals)).all())
