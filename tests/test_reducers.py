@@ -281,10 +281,17 @@ def _one_node_of_three() -> dict[str, Any]:
     groups = build_process_groups(discover())
     out: dict[str, Any] = {"lossless": _lossless(groups, ["shm", "auto", "flat"])}
     out["train"] = {spec: _train(spec) for spec in ["flat", "shm"]}
+    # Buckets allocated by the reducer are rows of its shared mapping: summed in place, no copy in.
     reducer = make_reducer("shm", groups)
-    reducer.reduce(torch.ones(5), groups.replica).wait()
-    prefix = reducer.summation.path_prefix  # type: ignore[attr-defined]
-    out["left in /dev/shm"] = glob.glob(prefix + "*")
+    bucket, _ = _bucket(0, 0, set())
+    (shared,) = assign_buckets(bucket.params, 1 << 30, 1 << 30, reducer.allocate)  # type: ignore[attr-defined]
+    assert shared.buffer.data_ptr() != bucket.buffer.data_ptr()
+    _load(shared, dist.get_rank(), 0, {1})
+    expected = _exact(shared, groups.replica)
+    reducer.reduce(shared.buffer, groups.replica, shared).wait()
+    out["in place"] = (shared.buffer.clone(), expected)
+    reducer.reduce(torch.ones(5), groups.replica).wait()  # and a staging copy for anything else
+    out["left in /dev/shm"] = glob.glob(reducer.summation.path_prefix + "*")  # type: ignore[attr-defined]
     reducer.close()  # type: ignore[attr-defined]
     return out
 
@@ -337,6 +344,10 @@ def test_shared_memory_equals_flat_on_one_node(one_by_three: list[dict[str, Any]
     for result in one_by_three[1:]:
         assert all(torch.equal(a, b) for a, b in zip(result["train"]["shm"][1], shm_params)), "replicas must agree bit for bit"
     assert all(not result["left in /dev/shm"] for result in one_by_three), "shared segments must be unlinked once mapped"
+    for result in one_by_three:
+        got, expected = result["in place"]
+        assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+        assert torch.equal(got, one_by_three[0]["in place"][0]), "replicas disagree"
 
 
 def test_hierarchical_with_stages(two_by_two: list[dict[str, Any]]) -> None:

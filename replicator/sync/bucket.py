@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -77,11 +78,16 @@ class Bucket:
         self.pending = None
 
 
-def assign_buckets(params: list[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int) -> list[Bucket]:
+Allocator = Callable[[int, torch.dtype, torch.device], "torch.Tensor | None"]
+
+
+def assign_buckets(params: list[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int,
+                   allocate: Allocator | None = None) -> list[Bucket]:
     """Group parameters into buckets in reverse order (the order backward produces them).
 
     A bucket never mixes devices or dtypes. The first bucket is small so that the first
-    message leaves early in the backward pass; later ones are up to `cap_bytes`.
+    message leaves early in the backward pass; later ones are up to `cap_bytes`. A reducer's
+    `allocate` may provide the zeroed buffers (shared memory that needs no copy to reduce).
     """
     buckets: list[Bucket] = []
     current: list[torch.nn.Parameter] = []
@@ -95,7 +101,10 @@ def assign_buckets(params: list[torch.nn.Parameter], cap_bytes: int, first_cap_b
         for param in current:
             offsets.append(total)
             total += param.numel()
-        buffer = torch.zeros(total + len(current), dtype=current[0].dtype, device=current[0].device)
+        numel, dtype, device = total + len(current), current[0].dtype, current[0].device
+        buffer = allocate(numel, dtype, device) if allocate is not None else None
+        if buffer is None:
+            buffer = torch.zeros(numel, dtype=dtype, device=device)
         buckets.append(Bucket(len(buckets), current, offsets, total, buffer))
         current, current_bytes = [], 0
 

@@ -56,7 +56,8 @@ class _Segment:
 class SharedMemorySum:
     """Sums a tensor in place over the replicas of this stage, all on one node, through /dev/shm.
 
-    Each replica copies its tensor into its own row of a shared mapping; after a barrier,
+    Each replica's tensor is its own row of a shared mapping: a bucket allocated through
+    `allocate` already is one, anything else is copied into a staging row first. After a barrier,
     replica i adds up slice i of every row into its own row (a reduce-scatter with no
     sockets and no kernel copies); after a second barrier every replica copies all the
     summed slices out (the all-gather); a third barrier keeps anyone from overwriting its row
@@ -83,30 +84,55 @@ class SharedMemorySum:
         token = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
         dist.broadcast(token, src=groups.replica_ranks[0], group=self.group)
         self.path_prefix = os.path.join(SHARED_MEMORY_DIR, f"replicator-{int(token):x}-stage{stage}")
-        self._segments: dict[tuple[int, torch.dtype], _Segment] = {}
+        self._staging: dict[tuple[int, torch.dtype], _Segment] = {}
+        self._owned: dict[int, _Segment] = {}  # allocated buckets, by their row's address
+        self._unnamed: list[str] = []  # mapped here, perhaps not yet by every peer
 
-    def _segment(self, numel: int, dtype: torch.dtype) -> _Segment:
-        key = (numel, dtype)
-        if key not in self._segments:
-            # Every replica meets the same buckets in the same order, so the names agree.
-            path = f"{self.path_prefix}-{len(self._segments)}"
-            segment = _Segment(path, self.size, numel, dtype)
-            dist.barrier(group=self.group)  # every replica has mapped it ...
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """A zeroed buffer that is this replica's row of a new shared mapping, so summing it
+        needs no copy in. Every replica must allocate the same buffers in the same order,
+        then run `settle()` on the reducer's worker. None where shared memory cannot help."""
+        if torch.device(device).type != "cpu":
+            return None
+        # Every replica allocates the same buckets in the same order, so the names agree.
+        path = f"{self.path_prefix}-bucket{len(self._owned)}"
+        segment = _Segment(path, self.size, numel, dtype)
+        self._unnamed.append(path)
+        row = segment.rows[self.position]
+        self._owned[row.data_ptr()] = segment
+        return row
+
+    def settle(self) -> None:
+        """Once every replica has mapped the new segments, remove their names: nothing is
+        left in /dev/shm for a crash to leak, and the memory lives until the last unmap."""
+        dist.barrier(group=self.group)
+        for path in self._unnamed:
             try:
-                os.unlink(path)  # ... so the name can go: the memory lives until the last unmap
+                os.unlink(path)
             except FileNotFoundError:
                 pass  # a peer removed it first
-            self._segments[key] = segment
-        return self._segments[key]
+        self._unnamed.clear()
+
+    def _staging_segment(self, numel: int, dtype: torch.dtype) -> _Segment:
+        key = (numel, dtype)
+        if key not in self._staging:
+            path = f"{self.path_prefix}-staging{len(self._staging)}"
+            self._staging[key] = _Segment(path, self.size, numel, dtype)
+            self._unnamed.append(path)
+            self.settle()
+        return self._staging[key]
 
     def sum_(self, tensor: torch.Tensor) -> None:
         if tensor.device.type != "cpu":
             raise TypeError(f"the shared-memory reducer sums host tensors only, got one on {tensor.device}; use 'flat'")
         flat = tensor.view(-1)
-        rows = self._segment(flat.numel(), flat.dtype).rows
+        owned = self._owned.get(flat.data_ptr())
+        in_place = owned is not None and owned.rows.shape[1] == flat.numel()
+        rows = owned.rows if in_place else self._staging_segment(flat.numel(), flat.dtype).rows  # type: ignore[union-attr]
         bounds = [flat.numel() * k // self.size for k in range(self.size + 1)]
         mine = slice(bounds[self.position], bounds[self.position + 1])
-        rows[self.position].copy_(flat)
+        if not in_place:
+            rows[self.position].copy_(flat)
         dist.barrier(group=self.group)
         total = rows[self.position, mine]
         for other in range(self.size):
@@ -114,6 +140,7 @@ class SharedMemorySum:
                 total.add_(rows[other, mine])
         dist.barrier(group=self.group)
         for owner in range(self.size):
-            owned = slice(bounds[owner], bounds[owner + 1])
-            flat[owned].copy_(rows[owner, owned])
+            if owner != self.position or not in_place:
+                part = slice(bounds[owner], bounds[owner + 1])
+                flat[part].copy_(rows[owner, part])
         dist.barrier(group=self.group)

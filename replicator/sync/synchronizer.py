@@ -67,7 +67,8 @@ class GradientSynchronizer:
         self._location: dict[int, tuple[Bucket, int]] = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         if self.size > 1:
-            self.buckets = assign_buckets(self.params, bucket_cap_bytes, min(_FIRST_BUCKET_BYTES, bucket_cap_bytes))
+            self.buckets = assign_buckets(self.params, bucket_cap_bytes, min(_FIRST_BUCKET_BYTES, bucket_cap_bytes),
+                                          getattr(reducer, "allocate", None))
             for bucket in self.buckets:
                 for position, param in enumerate(bucket.params):
                     self._location[id(param)] = (bucket, position)

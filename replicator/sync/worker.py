@@ -125,6 +125,15 @@ class SummationReducer:
         label = f"{self.name} reduction of bucket {bucket.index if bucket is not None else '?'}"
         return self._worker.submit(lambda: self.summation.sum_(buffer), label, buffer.device)
 
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """A bucket buffer the summation can reduce without copying, or None (allocate it as usual)."""
+        allocate = getattr(self.summation, "allocate", None)
+        buffer = allocate(numel, dtype, device) if allocate is not None else None
+        if buffer is not None:
+            # On the worker, in submission order: its collectives never interleave with reductions.
+            self._worker.submit(self.summation.settle, f"{self.name} allocation").wait()  # type: ignore[attr-defined]
+        return buffer
+
     def close(self) -> None:
         self._worker.close()
 
