@@ -49,7 +49,7 @@ class Replicator:
     Args:
         reducer: how gradient buckets are summed across replicas: "auto" (the default:
             through shared memory when every replica is on this node and on CPU,
-            hierarchical across nodes, else one all-reduce), "flat" (one all-reduce), "shm",
+            hierarchical across CPU nodes, else one all-reduce), "flat" (one all-reduce), "shm",
             "hierarchical" (DDL-style, per node then across nodes),
             "hierarchical:XxYxZ", "fp16"/"bf16" (+"+ef" error feedback), "powersgd:R" — see
             replicator.sync.reducers.REDUCER_NAMES — or an object with `reduce(buffer, group, bucket)`.

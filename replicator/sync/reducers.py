@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 __all__ = ["Reducer", "PendingReduction", "FlatReducer", "make_reducer", "parse_reducer", "ReducerSpec", "REDUCER_NAMES"]
 
 REDUCER_NAMES = (
-    "'flat', 'shm' (through shared memory, replicas on one node, CPU), 'auto' (shm on one node on CPU, "
-    "hierarchical across nodes, else flat), 'hierarchical', 'hierarchical:XxYxZ' (alias "
+    "'flat', 'shm' (through shared memory, replicas on one node, CPU), 'auto' (on CPU: shm on one node, "
+    "hierarchical across nodes; on GPUs: flat), 'hierarchical', 'hierarchical:XxYxZ' (alias "
     "'multilevel:XxYxZ'; level sizes innermost first, e.g. 4x2x2 = 4 per node x 2 nodes per rack x 2 racks), "
     "'fp16', 'bf16' (add '+ef' for error feedback), 'powersgd:R' (rank R; '+noef' turns its error feedback off); "
     "a compressed one may name its topology after '@', e.g. 'fp16+ef@hierarchical' or 'powersgd:4@auto'"
@@ -173,8 +173,9 @@ def _build(spec: str, parsed: ReducerSpec, groups: ProcessGroups, timeout_s: flo
                 inner, outer = plan_levels(partition, processes_per_node(groups), None, spec)
             except ValueError:  # replicas spread unevenly over nodes: flat is the safe choice
                 inner, outer = 1, 1
-            # Hierarchy pays only when a node holds several replicas and there are several nodes.
-            levels = (inner, outer) if inner > 1 and outer > 1 else None
+            # Hierarchy pays only when a node holds several replicas and there are several nodes,
+            # and only over Gloo: NCCL already builds its own rings and trees over NVLink and the network.
+            levels = (inner, outer) if inner > 1 and outer > 1 and device.type == "cpu" else None
         else:
             levels = plan_levels(partition, processes_per_node(groups), parsed.levels, spec)
     if parsed.compressor is None:
