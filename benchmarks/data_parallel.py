@@ -47,6 +47,8 @@ class Config:
     distinct_batches: int = 8
     threads: int = 1
     loops: tuple[str, ...] = ("run", "step_fn")  # how replicator is driven; see `_replicator_runner`
+    # The default ('auto': shared memory on one CPU node), and 'flat': the same Gloo all-reduce DDP uses.
+    reducers: tuple[str, ...] = ("auto", "flat")
     lr: float = 0.01
     seed: int = 0
 
@@ -183,18 +185,21 @@ def _threads(config: Config) -> None:
 
 
 def two_process_job(config: Config) -> dict[str, Any]:
-    """One of the 2 processes: replicator (each loop) and DDP take turns on identical model copies."""
+    """One of the 2 processes: replicator (each reducer and loop) and DDP take turns on identical model copies."""
     _threads(config)
-    repl = rp.Replicator()
-    rank = dist.get_rank()
     torch.manual_seed(config.seed)
-    with repl.scope():  # broadcasts replica 0's weights, whatever each process drew
+    replicas: dict[str, tuple[rp.Replicator, str, torch.nn.Module, torch.optim.Optimizer]] = {}
+    repls = [rp.Replicator(reducer=reducer) for reducer in config.reducers]
+    with repls[0].scope():  # broadcasts replica 0's weights, whatever each process drew
         reference = make_model(config)
-        replicas = {}
-        for loop in config.loops:
-            model = make_model(config)
-            model.load_state_dict(reference.state_dict())
-            replicas[loop] = (model, repl.wrap_optimizer(make_optimizer(model, config)))
+    for reducer, repl in zip(config.reducers, repls):
+        with repl.scope():
+            for loop in config.loops if reducer == config.reducers[0] else config.loops[:1]:
+                model = make_model(config)
+                model.load_state_dict(reference.state_dict())
+                name = f"replicator {reducer} ({repl.reducer.name}, {loop})"
+                replicas[name] = (repl, loop, model, repl.wrap_optimizer(make_optimizer(model, config)))
+    rank = dist.get_rank()
     initial = _flat_parameters(reference)
     ddp_model = make_model(config)
     ddp_model.load_state_dict(reference.state_dict())
@@ -203,8 +208,8 @@ def two_process_job(config: Config) -> dict[str, Any]:
     ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
     batches = make_batches(config, shard=rank)
     contenders = [
-        Contender(f"replicator ({loop})", model, batches, _replicator_runner(repl, model, optimizer, loop))
-        for loop, (model, optimizer) in replicas.items()
+        Contender(name, model, batches, _replicator_runner(repl, model, optimizer, loop))
+        for name, (repl, loop, model, optimizer) in replicas.items()
     ]
     contenders.append(Contender("torch DDP", ddp_model, batches, _plain_runner(ddp, make_optimizer(ddp, config))))
 
@@ -228,7 +233,8 @@ def two_process_job(config: Config) -> dict[str, Any]:
     # Without this, "no difference" could also mean "nobody trained".
     checks["torch DDP: max |change since start|"] = float((ddp_flat - initial).abs().max())
     backend = dist.get_backend()
-    repl.close()
+    for repl in reversed(repls):
+        repl.close()
     return {"figures": figures, "checks": checks, "backend": backend, "rank": rank}
 
 
@@ -301,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=Config.threads, help="torch threads per process")
     parser.add_argument("--loop", choices=("run", "step_fn", "both"), default="both",
                         help="drive replicator with repl.run(progress=False), by calling step_fn directly, or both")
+    parser.add_argument("--reducers", default=",".join(Config.reducers),
+                        help="comma-separated replicator reducers to time against DDP (the first also with every --loop)")
     parser.add_argument("--only", choices=("2", "1", "both"), default="both", help="which comparison to run")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write every figure to this JSON file")
     options = parser.parse_args(argv)
@@ -310,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=options.repeats, steps=options.steps, warmup=options.warmup, batch=options.batch,
         hidden=options.hidden, threads=options.threads,
         loops=("run", "step_fn") if options.loop == "both" else (options.loop,),
+        reducers=tuple(name.strip() for name in options.reducers.split(",") if name.strip()),
     )
     parameters = sum(p.numel() for p in make_model(config).parameters())
     print(
