@@ -126,6 +126,8 @@ class SharedMemorySum:
         if tensor.device.type != "cpu":
             raise TypeError(f"the shared-memory reducer sums host tensors only, got one on {tensor.device}; use 'flat'")
         flat = tensor.view(-1)
+        if flat.numel() == 0:
+            return  # every replica holds the same nothing; mmap cannot map zero bytes
         owned = self._owned.get(flat.data_ptr())
         in_place = owned is not None and owned.rows.shape[1] == flat.numel()
         rows = owned.rows if in_place else self._staging_segment(flat.numel(), flat.dtype).rows  # type: ignore[union-attr]
