@@ -14,8 +14,9 @@ import torch.nn.functional as F
 import replicator as rp
 from replicator.sync.bucket import Bucket, assign_buckets
 from replicator.sync.compression import CastReducer
-from replicator.sync.hierarchical import level_groups, plan_levels, replicas_per_node
+from replicator.sync.hierarchical import HierarchicalSum, level_groups, plan_levels, replicas_per_node
 from replicator.sync.reducers import FlatReducer, make_reducer, parse_reducer
+from replicator.sync.worker import SummationReducer
 from replicator.testing import run_replicas
 from replicator.topology import build_process_groups, discover
 
@@ -115,12 +116,13 @@ def _data(seed: int, n: int, integers: bool) -> torch.Tensor:
     return torch.randn(n, generator=generator) * 10.0 ** torch.randint(-3, 4, (n,), generator=generator)
 
 
-def _lossless(groups: Any, specs: list[str]) -> dict[str, Any]:
+def _lossless(groups: Any, specs: list[Any]) -> dict[str, Any]:
     """Every spec against dist.all_reduce on the replica group, several buckets in flight at once."""
     rank = dist.get_rank()
     out: dict[str, Any] = {}
     for spec in specs:
-        reducer = make_reducer(spec, groups)
+        reducer = make_reducer(spec, groups) if isinstance(spec, str) else spec[1]()
+        spec = spec if isinstance(spec, str) else spec[0]
         inputs = [(n, integers, _data(rank * 7919 + n * 2 + integers, n, integers)) for n in SIZES for integers in (True, False)]
         buffers = [x.clone() for _, _, x in inputs]
         pending = [reducer.reduce(b, groups.replica) for b in buffers]
@@ -251,7 +253,10 @@ def _train(reducer: str) -> tuple[float, list[torch.Tensor]]:
 
 def _two_nodes_of_two() -> dict[str, Any]:
     groups = build_process_groups(discover())
-    out: dict[str, Any] = {"lossless": _lossless(groups, ["hierarchical", "multilevel:2x1x2", "hierarchical:1x2x2", "auto"])}
+    # 40-byte chunks: every size above crosses the levels in several overlapping chunks.
+    chunked = ("chunked", lambda: SummationReducer(HierarchicalSum(groups, (2, 2), 60.0, chunk_bytes=40)))
+    out: dict[str, Any] = {"lossless": _lossless(groups, ["hierarchical", "multilevel:2x1x2", "hierarchical:1x2x2", "auto",
+                                                          chunked])}
     errors = {}
     for spec in ["hierarchical:4x1", "hierarchical:2x3", "shm"]:
         try:
@@ -331,7 +336,7 @@ def test_hierarchical_equals_flat_on_two_nodes_of_two(two_by_two: list[dict[str,
     _check_lossless(two_by_two)
     names = {spec: r["name"] for spec, r in two_by_two[0]["lossless"].items()}
     assert names == {"hierarchical": "hierarchical:2x2", "multilevel:2x1x2": "hierarchical:2x1x2",
-                     "hierarchical:1x2x2": "hierarchical:1x2x2", "auto": "hierarchical:2x2"}
+                     "hierarchical:1x2x2": "hierarchical:1x2x2", "auto": "hierarchical:2x2", "chunked": "hierarchical:2x2"}
 
 
 def test_shared_memory_equals_flat_on_one_node(one_by_three: list[dict[str, Any]]) -> None:
