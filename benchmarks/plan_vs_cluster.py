@@ -1,0 +1,197 @@
+"""Does `replicator plan` predict the simulated cluster? Predicted against measured data-parallel step times, flat and hierarchical.
+
+Command (from the repository root, as root; about a minute on 2 cores):
+
+    .venv/bin/python benchmarks/plan_vs_cluster.py --json runs/plan_vs_cluster.json
+
+On a SimulatedCluster of 2 nodes x 2 processes with `--link-mbit` links this measures, in one
+job:
+  - the intra-node tier: a Gloo all-reduce inside each node (both nodes at once, as in a
+    hierarchical all-reduce), 4 KiB - 8 MiB, fitted to T = 2α + S/β (calibrate.fit_alpha_beta);
+  - the inter-node latency: the same fit across nodes (one process of each node per pair, both
+    pairs at once); its bandwidth is NOT taken from the fit but is the tbf rate, the link's line rate;
+  - compute: the same training step with no communication, all 4 processes at once, which
+    sets the achieved FLOP/s the planner's Accelerator is given (so forward + backward of the
+    model reproduce it; the optimizer's update is folded into backward);
+  - the step time with each reducer (benchmarks/allreduce.py's measure_steps, interleaved, medians).
+Then the planner (replicator.plan.predict) describes the cluster with Cluster.two_level and
+predicts each step; the relative error is (predicted - measured) / measured, target |error| <= 15%.
+For reference it also prints two variants: the inter-node bandwidth set to what TCP payload
+can reach on the link (headers take 4.4% of the line rate at MTU 1500), and compute from a
+512x512 matmul's FLOP/s (what `replicator plan --calibrate` measures; fastest of ten, in all
+4 processes at once) instead of from the model's own step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ is not a package
+from allreduce import NO_COMMUNICATION, Config, forward_flops_per_sample, gradient_bytes, measure_steps, slowest  # noqa: E402
+
+from replicator.plan import Accelerator, Cluster, Reducer, Workload, predict  # noqa: E402
+from replicator.plan.calibrate import fit_alpha_beta, measure_matmul_flops  # noqa: E402
+from replicator.testing.cluster import SimulatedCluster, cluster_available  # noqa: E402
+from replicator.topology import build_process_groups, discover  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+INTRA_SIZES = (4 * KiB, 64 * KiB, 512 * KiB, 2 * MiB, 8 * MiB)
+INTER_SIZES = (4 * KiB, 64 * KiB, 512 * KiB, 2 * MiB)
+# replicator's reducer -> the planner's: a Gloo all-reduce over the world is a ring in rank order.
+PLANNED = {"flat": Reducer("flat-ring", "ring"), "hierarchical": Reducer("hierarchical", "hierarchical"),
+           "fp16": Reducer("flat-ring+fp16", "ring", gradient_bytes=2)}
+TARGET = 0.15
+
+
+def payload_share(mtu: int) -> float:
+    """TCP payload per byte on the wire at layer 2 (what tbf counts): MSS (MTU - 20 IP - 32 TCP with
+    timestamps) over the frame (MTU + 14 Ethernet header). 1448/1514 = 95.6% at MTU 1500."""
+    return (mtu - 52) / (mtu + 14)
+
+
+def _group_times(group: Any, sizes: tuple[int, ...], repeats: int) -> list[tuple[int, float]]:
+    """(bytes, median seconds) of an all-reduce on `group`, every rank's group at once, slowest rank per repeat."""
+    samples = []
+    for nbytes in sizes:
+        buffer = torch.zeros(nbytes // 4)
+        dist.all_reduce(buffer, group=group)
+        seconds = []
+        for _ in range(repeats):
+            dist.barrier()
+            started = time.perf_counter()
+            dist.all_reduce(buffer, group=group)
+            seconds.append(slowest(time.perf_counter() - started))
+        samples.append((nbytes, statistics.median(seconds)))
+    return samples
+
+
+def calibration_job(config: Config, repeats: int, reducers: tuple[str, ...]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    groups = build_process_groups(discover())
+    intra = _group_times(groups.intra_node, INTRA_SIZES, repeats)
+    inter = _group_times(groups.inter_node, INTER_SIZES, repeats)
+    dist.barrier()
+    matmul = measure_matmul_flops()  # every process at once: the share of the cores each one gets
+    flops = torch.tensor([matmul])
+    dist.all_reduce(flops, op=dist.ReduceOp.MIN)
+    steps = measure_steps(config, reducers)
+    return {"intra": intra, "inter": inter, "matmul_flops": float(flops.item()), "steps": steps}
+
+
+def predictions(config: Config, calibration: dict[str, Any], reducers: tuple[str, ...]) -> list[dict[str, Any]]:
+    intra_alpha, intra_beta = fit_alpha_beta(calibration["intra"], 2)
+    inter_alpha, inter_beta_fit = fit_alpha_beta(calibration["inter"], 2)
+    line_rate = config.link_mbit * 1e6 / 8
+    cluster = Cluster.two_level(config.procs_per_node, intra_beta, intra_alpha, line_rate, inter_alpha)
+    # The same, told the rate TCP payload can reach on that link: how much of the error is headers.
+    payload = Cluster.two_level(config.procs_per_node, intra_beta, intra_alpha, line_rate * payload_share(config.mtu), inter_alpha)
+    times = calibration["steps"]["times"]
+    compute = statistics.median(times[NO_COMMUNICATION])
+    flops = forward_flops_per_sample(config)
+    workload = Workload(params=gradient_bytes(config) / 4, flops_per_sample=flops, batch_per_gpu=config.batch)
+    # Forward + backward = 3 forwards of FLOPs; the achieved rate that makes them last the measured step.
+    fitted = Accelerator(peak_flops=3 * flops * config.batch / compute, efficiency=1.0)
+    matmul = Accelerator(peak_flops=calibration["matmul_flops"], efficiency=1.0)
+    gpus = config.nodes * config.procs_per_node
+    bucket = config.bucket_mb * MiB
+    rows = []
+    for name in reducers:
+        measured = statistics.median(times[name])
+        row: dict[str, Any] = {"reducer": name, "measured_s": measured,
+                               "fit": {"intra_alpha_s": intra_alpha, "intra_beta": intra_beta, "inter_alpha_s": inter_alpha,
+                                       "inter_beta_fitted": inter_beta_fit, "inter_beta_used": line_rate}}
+        for label, accelerator, described in (("predicted", fitted, cluster), ("predicted_payload", fitted, payload),
+                                              ("predicted_matmul", matmul, cluster)):
+            prediction = predict(workload, accelerator, described, gpus, PLANNED[name], bucket)
+            row[label + "_s"] = prediction.step_time
+            row[label + "_error"] = (prediction.step_time - measured) / measured
+            if label == "predicted":
+                row["planner_compute_s"] = prediction.step.compute
+                row["planner_exposed_s"] = prediction.step.exposed
+                row["planner_communication_s"] = prediction.step.communication
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--link-mbit", type=float, default=1000.0, help="each node's link, Mbit/s per direction")
+    parser.add_argument("--batch", type=int, default=Config.batch, help="samples per replica per step")
+    parser.add_argument("--bucket-mb", type=float, default=Config.bucket_mb, help="gradient bucket size (MiB)")
+    parser.add_argument("--repeats", type=int, default=7, help="repeats per calibration size")
+    parser.add_argument("--step-repeats", type=int, default=5, help="interleaved repetitions per reducer")
+    parser.add_argument("--steps", type=int, default=Config.steps, help="timed steps per phase")
+    parser.add_argument("--fp16", action="store_true", help="also compare fp16 compression (flat ring, 2-byte gradients)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write every figure to this JSON file")
+    options = parser.parse_args(argv)
+    available, why = cluster_available()
+    if not available:
+        print(f"cannot build the simulated cluster: {why}", file=sys.stderr)
+        return 2
+    config = Config(link_mbit=options.link_mbit, batch=options.batch, bucket_mb=options.bucket_mb,
+                    step_repeats=options.step_repeats, steps=options.steps)
+    reducers = ("flat", "hierarchical", "fp16") if options.fp16 else ("flat", "hierarchical")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d cannot reverse-resolve peers inside a namespace
+    load_before = os.getloadavg()[0]
+    with SimulatedCluster(config.nodes, config.procs_per_node, config.link_mbit, mtu=config.mtu) as cluster:
+        results = cluster.run(calibration_job, config, options.repeats, reducers, timeout_s=1800.0)
+    calibration = results[0]
+    rows = predictions(config, calibration, reducers)
+    fit = rows[0]["fit"]
+    compute = statistics.median(calibration["steps"]["times"][NO_COMMUNICATION])
+    lines = [
+        f"Simulated cluster: {config.nodes} nodes x {config.procs_per_node} processes, {config.link_mbit:g} Mbit/s links; "
+        f"MLP {config.layers} x {config.width}x{config.width} + head, {gradient_bytes(config) / MiB:.1f} MiB gradients, "
+        f"batch {config.batch} per replica, {config.bucket_mb:g} MiB buckets",
+        f"intra-node fit: α = {fit['intra_alpha_s'] * 1e6:.0f} µs, β = {fit['intra_beta'] / 1e9:.2f} GB/s; "
+        f"inter-node fit (both pairs at once, sharing the link): α = {fit['inter_alpha_s'] * 1e6:.0f} µs, "
+        f"β = {fit['inter_beta_fitted'] / 1e6:.1f} MB/s per pair (the planner is given the line rate, "
+        f"{fit['inter_beta_used'] / 1e6:.1f} MB/s per node; TCP payload can reach {payload_share(config.mtu):.1%} of it)",
+        f"compute: step without communication {compute * 1e3:.1f} ms "
+        f"(= {3 * forward_flops_per_sample(config) * config.batch / compute / 1e9:.1f} GFLOP/s per process); "
+        f"512x512 matmul in 4 processes at once: {calibration['matmul_flops'] / 1e9:.1f} GFLOP/s per process",
+        "",
+        "| reducer | measured step (ms) | predicted (ms) | error | of which compute / exposed comm. (ms) "
+        "| predicted at TCP payload rate (ms) | error | predicted with matmul FLOP/s (ms) | error |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['reducer']} | {row['measured_s'] * 1e3:.1f} | {row['predicted_s'] * 1e3:.1f} | {row['predicted_error']:+.1%} "
+            f"| {row['planner_compute_s'] * 1e3:.1f} / {row['planner_exposed_s'] * 1e3:.1f} "
+            f"| {row['predicted_payload_s'] * 1e3:.1f} | {row['predicted_payload_error']:+.1%} "
+            f"| {row['predicted_matmul_s'] * 1e3:.1f} | {row['predicted_matmul_error']:+.1%} |")
+    checked = [r for r in rows if r["reducer"] in ("flat", "hierarchical")]
+    worst = max(abs(r["predicted_error"]) for r in checked)
+    lines.append(f"\nTarget |error| <= {TARGET:.0%} for flat and hierarchical: worst {worst:.1%} -> "
+                 f"{'met' if worst <= TARGET else 'NOT met'}")
+    for name, value in calibration["steps"]["checks"].items():
+        lines.append(f"  check: {name} = {value:.3g}")
+    load_after = os.getloadavg()[0]
+    lines.append(f"1-minute load average {load_before:.2f} before, {load_after:.2f} after, on {os.cpu_count()} cores")
+    print("\n".join(lines), flush=True)
+    if options.json:
+        os.makedirs(os.path.dirname(os.path.abspath(options.json)), exist_ok=True)
+        report = {"config": asdict(config), "rows": rows, "calibration": {k: v for k, v in calibration.items() if k != "steps"},
+                  "step_times": calibration["steps"]["times"], "worst_error": worst, "met": worst <= TARGET,
+                  "load_average_1min": {"before": load_before, "after": load_after}, "torch": torch.__version__,
+                  "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join([sys.executable, *sys.argv])}
+        with open(options.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+        print(f"figures written to {options.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
