@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 from replicator.recovery import ATTEMPT_ENV, MAX_RESTARTS_ENV, Outcome, run_attempts
 
@@ -63,15 +64,16 @@ def torchrun_arguments(spec: LaunchSpec, attempt: int = 0) -> list[str]:
         # Every node's launcher counts attempts alike, so all of them move to the same new port.
         host, base = spec.master.rsplit(":", 1)
         port = str(int(base) + attempt)
+        rendezvous = ["--master-addr", host, "--master-port", port, "--rdzv-backend", "static"]
     else:
-        host, port = "127.0.0.1", str(free_port())
+        # torchrun's static rendezvous would start a store that listens on every interface.
+        rendezvous = ["--rdzv-backend", LOOPBACK_RENDEZVOUS, "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                      "--rdzv-conf", "rank=0"]
     arguments = [
         "--nproc-per-node", str(spec.nproc_per_node),
         "--nnodes", str(spec.nnodes),
         "--node-rank", str(spec.node_rank),
-        "--master-addr", host,
-        "--master-port", port,
-        "--rdzv-backend", "static",
+        *rendezvous,
         # torchrun's own restarts reuse the rendezvous, and with Gloo restarted workers can
         # dial the previous attempt's dead peers or hang: restarts are ours (see recovery).
         "--max-restarts", "0",
@@ -81,6 +83,55 @@ def torchrun_arguments(spec: LaunchSpec, attempt: int = 0) -> list[str]:
     # "--" ends torchrun's options: a script argument such as --log would otherwise be taken
     # as an abbreviation of one of torchrun's (--log-dir) and rejected.
     return [*arguments, "--", spec.target, *spec.args]
+
+
+LOOPBACK_RENDEZVOUS = "replicator-loopback"
+
+
+def _loopback_rendezvous(params: Any) -> Any:
+    """torchrun's static rendezvous, except that the store's server listens on the endpoint's address only.
+
+    torch's TCPStore server binds every interface whatever host it is given, so anyone who
+    can reach this machine could join or disrupt the job; handed a socket bound here
+    (master_listen_fd) it listens on that socket alone.
+    """
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous, _default_timeout_seconds
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    class LoopbackRendezvous(StaticTCPRendezvous):
+        def get_backend(self) -> str:
+            return LOOPBACK_RENDEZVOUS
+
+        def next_rendezvous(self) -> Any:
+            if self._store is None:
+                listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind((self.master_addr, self.master_port))
+                listener.listen(socket.SOMAXCONN)
+                options: dict[str, Any] = {"multi_tenant": True, "master_listen_fd": listener.detach()}  # the store owns it
+                if _torch_version() < (2, 8):
+                    options["use_libuv"] = False  # libuv's store learned to take over a listening socket in torch 2.8
+                self._store = TCPStore(self.master_addr, self.master_port, self.world_size, True, self.timeout, **options)
+            return super().next_rendezvous()
+
+    host, port = parse_rendezvous_endpoint(params.endpoint, -1)
+    return LoopbackRendezvous(host, port, params.get_as_int("rank", 0), params.max_nodes, params.run_id,
+                              params.get_as_int("timeout", _default_timeout_seconds))
+
+
+def _torch_version() -> tuple[int, int]:
+    import torch
+
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _register_rendezvous() -> None:
+    """Make LOOPBACK_RENDEZVOUS known to torchrun in this process (registering twice is harmless)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, _loopback_rendezvous)
 
 
 def launch(spec: LaunchSpec) -> int:
@@ -105,6 +156,7 @@ def _run_attempt(spec: LaunchSpec, attempt: int) -> Outcome:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    _register_rendezvous()
     os.environ[ATTEMPT_ENV] = str(attempt)
     try:
         run(parse_args(torchrun_arguments(spec, attempt)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import stat
 from datetime import timedelta
 
 import torch
@@ -44,8 +45,13 @@ class _Segment:
     def __init__(self, path: str, replicas: int, numel: int, dtype: torch.dtype) -> None:
         size = replicas * numel * torch.empty((), dtype=dtype).element_size()
         # 0600 and a random name: only this user's processes that were told the name can map it.
-        descriptor = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        # O_NOFOLLOW and the owner check: a name planted in the world-writable /dev/shm by someone
+        # else (a symlink to one of our files, or a file they can read) is refused, not shared.
+        descriptor = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
+            info = os.fstat(descriptor)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+                raise PermissionError(f"{path} is not a private file of this user; refusing to share gradients through it")
             os.ftruncate(descriptor, size)  # every replica asks for the same size: idempotent
             self._mapping = mmap.mmap(descriptor, size)
         finally:
