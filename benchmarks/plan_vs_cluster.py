@@ -9,15 +9,17 @@ job:
   - the intra-node tier: a Gloo all-reduce inside each node (both nodes at once, as in a
     hierarchical all-reduce), 4 KiB - 8 MiB, fitted to T = 2α + S/β (calibrate.fit_alpha_beta);
   - the inter-node latency: the same fit across nodes (one process of each node per pair, both
-    pairs at once); its bandwidth is NOT taken from the fit but is the tbf rate, the link's line rate;
+    pairs at once); its bandwidth is NOT taken from the fit but from the link's description:
+    the tbf line rate times the share of it TCP payload can use (95.6% at MTU 1500), the
+    figure a user gets from iperf or a NIC's goodput specification;
   - compute: the same training step with no communication, all 4 processes at once, which
     sets the achieved FLOP/s the planner's Accelerator is given (so forward + backward of the
     model reproduce it; the optimizer's update is folded into backward);
   - the step time with each reducer (benchmarks/allreduce.py's measure_steps, interleaved, medians).
 Then the planner (replicator.plan.predict) describes the cluster with Cluster.two_level and
 predicts each step; the relative error is (predicted - measured) / measured, target |error| <= 15%.
-For reference it also prints two variants: the inter-node bandwidth set to what TCP payload
-can reach on the link (headers take 4.4% of the line rate at MTU 1500), and compute from a
+For reference it also prints two variants: the inter-node bandwidth set to the raw line rate
+(headers then count as payload), and compute from a
 512x512 matmul's FLOP/s (what `replicator plan --calibrate` measures; fastest of ten, in all
 4 processes at once) instead of from the model's own step.
 """
@@ -93,9 +95,10 @@ def predictions(config: Config, calibration: dict[str, Any], reducers: tuple[str
     intra_alpha, intra_beta = fit_alpha_beta(calibration["intra"], 2)
     inter_alpha, inter_beta_fit = fit_alpha_beta(calibration["inter"], 2)
     line_rate = config.link_mbit * 1e6 / 8
-    cluster = Cluster.two_level(config.procs_per_node, intra_beta, intra_alpha, line_rate, inter_alpha)
-    # The same, told the rate TCP payload can reach on that link: how much of the error is headers.
-    payload = Cluster.two_level(config.procs_per_node, intra_beta, intra_alpha, line_rate * payload_share(config.mtu), inter_alpha)
+    goodput = line_rate * payload_share(config.mtu)
+    cluster = Cluster.two_level(config.procs_per_node, intra_beta, intra_alpha, goodput, inter_alpha)
+    # The same, told the raw line rate: how much of the error headers would make.
+    raw = Cluster.two_level(config.procs_per_node, intra_beta, intra_alpha, line_rate, inter_alpha)
     times = calibration["steps"]["times"]
     compute = statistics.median(times[NO_COMMUNICATION])
     flops = forward_flops_per_sample(config)
@@ -110,8 +113,9 @@ def predictions(config: Config, calibration: dict[str, Any], reducers: tuple[str
         measured = statistics.median(times[name])
         row: dict[str, Any] = {"reducer": name, "measured_s": measured,
                                "fit": {"intra_alpha_s": intra_alpha, "intra_beta": intra_beta, "inter_alpha_s": inter_alpha,
-                                       "inter_beta_fitted": inter_beta_fit, "inter_beta_used": line_rate}}
-        for label, accelerator, described in (("predicted", fitted, cluster), ("predicted_payload", fitted, payload),
+                                       "inter_beta_fitted": inter_beta_fit, "inter_beta_used": goodput,
+                                       "inter_line_rate": line_rate}}
+        for label, accelerator, described in (("predicted", fitted, cluster), ("predicted_line_rate", fitted, raw),
                                               ("predicted_matmul", matmul, cluster)):
             prediction = predict(workload, accelerator, described, gpus, PLANNED[name], bucket)
             row[label + "_s"] = prediction.step_time
@@ -156,21 +160,22 @@ def main(argv: list[str] | None = None) -> int:
         f"batch {config.batch} per replica, {config.bucket_mb:g} MiB buckets",
         f"intra-node fit: α = {fit['intra_alpha_s'] * 1e6:.0f} µs, β = {fit['intra_beta'] / 1e9:.2f} GB/s; "
         f"inter-node fit (both pairs at once, sharing the link): α = {fit['inter_alpha_s'] * 1e6:.0f} µs, "
-        f"β = {fit['inter_beta_fitted'] / 1e6:.1f} MB/s per pair (the planner is given the line rate, "
-        f"{fit['inter_beta_used'] / 1e6:.1f} MB/s per node; TCP payload can reach {payload_share(config.mtu):.1%} of it)",
+        f"β = {fit['inter_beta_fitted'] / 1e6:.1f} MB/s per pair (the planner is given the TCP payload rate of the link, "
+        f"{fit['inter_beta_used'] / 1e6:.1f} MB/s per node = {payload_share(config.mtu):.1%} of its line rate "
+        f"{fit['inter_line_rate'] / 1e6:.1f} MB/s)",
         f"compute: step without communication {compute * 1e3:.1f} ms "
         f"(= {3 * forward_flops_per_sample(config) * config.batch / compute / 1e9:.1f} GFLOP/s per process); "
         f"512x512 matmul in 4 processes at once: {calibration['matmul_flops'] / 1e9:.1f} GFLOP/s per process",
         "",
         "| reducer | measured step (ms) | predicted (ms) | error | of which compute / exposed comm. (ms) "
-        "| predicted at TCP payload rate (ms) | error | predicted with matmul FLOP/s (ms) | error |",
+        "| predicted at raw line rate (ms) | error | predicted with matmul FLOP/s (ms) | error |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         lines.append(
             f"| {row['reducer']} | {row['measured_s'] * 1e3:.1f} | {row['predicted_s'] * 1e3:.1f} | {row['predicted_error']:+.1%} "
             f"| {row['planner_compute_s'] * 1e3:.1f} / {row['planner_exposed_s'] * 1e3:.1f} "
-            f"| {row['predicted_payload_s'] * 1e3:.1f} | {row['predicted_payload_error']:+.1%} "
+            f"| {row['predicted_line_rate_s'] * 1e3:.1f} | {row['predicted_line_rate_error']:+.1%} "
             f"| {row['predicted_matmul_s'] * 1e3:.1f} | {row['predicted_matmul_error']:+.1%} |")
     checked = [r for r in rows if r["reducer"] in ("flat", "hierarchical")]
     worst = max(abs(r["predicted_error"]) for r in checked)
