@@ -103,6 +103,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=32, help="resize the 8x8 digits to this (bilinear)")
     parser.add_argument("--warmup-steps", type=int, default=5, help="steps left out of the steady-state figures")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reducer", default="auto", help="how gradients are summed (see rp.Replicator)")
     parser.add_argument("--result", default=None, help="replica 0 writes the figures here as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or breakdown table")
     return parser.parse_args(argv)
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     train_set, test_set = load_digits_split(args.image_size, seed=args.seed)
 
-    repl = rp.Replicator()
+    repl = rp.Replicator(reducer=args.reducer)
     with repl.scope():
         model = ResNet(num_classes=10, blocks_per_stage=args.blocks)
         optimizer = repl.wrap_optimizer(
