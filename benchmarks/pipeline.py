@@ -21,7 +21,8 @@ stage recorded): a stage's idle share of the step. Memory is the peak of tensor 
 by PyTorch's CPU allocator during one forward+backward, above the level at its start, from
 the profiler's allocation events (torch.profiler, profile_memory=True), each case in a fresh
 pair of processes. CPU time per step (all threads, Gloo's I/O threads shown apart) and how
-busy the machine was tell how much of the 2 cores the job really had.
+busy the machine was (with the load average before and after) tell how much of the 2 cores
+the job really had; replicator's point-to-point messages per step are counted too.
 """
 
 from __future__ import annotations
@@ -330,6 +331,7 @@ def two_process_job(config: Config) -> dict[str, Any]:
     contenders.append(single_contender(nn.Sequential(*make_layers(config)), config, split=True))
 
     figures: dict[str, dict[str, list[float]]] = {c.name: {"rate": [], "cpu_ms": [], "gloo_ms": []} for c in contenders}
+    messages: list[float] = []  # point-to-point messages per timed step of the throughput contender
     for repetition in range(config.repeats):
         shift = repetition % len(contenders)
         for contender in contenders[shift:] + contenders[:shift]:
@@ -339,9 +341,12 @@ def two_process_job(config: Config) -> dict[str, Any]:
             dist.barrier()  # the timed steps start together
             recording[0] = True
             cpu_started, gloo_started, started = time.process_time(), gloo_thread_seconds(), time.perf_counter()
+            posted = pipe.message_count
             if active:
                 contender.phase(batches, config.steps)
             elapsed = time.perf_counter() - started if active else 0.0
+            if contender is contenders[0]:
+                messages.append((pipe.message_count - posted) / config.steps)
             cpu, gloo = time.process_time() - cpu_started, gloo_thread_seconds() - gloo_started
             recording[0] = False
             slowest = torch.tensor([elapsed], dtype=torch.float64)
@@ -353,7 +358,7 @@ def two_process_job(config: Config) -> dict[str, Any]:
     gathered: list[Any] = [None] * STAGES
     dist.all_gather_object(gathered, timed_steps)
     repl.close()
-    return {"rank": rank, "stage": repl.stage_id, "figures": figures, "sanity": sanity,
+    return {"rank": rank, "stage": repl.stage_id, "figures": figures, "sanity": sanity, "messages": messages,
             "steps": gathered if rank == 0 else None, "cpu_seconds": time.process_time()}
 
 
@@ -365,8 +370,8 @@ def bubbles(per_stage_steps: list[list[tuple[float, float, list[Event]]]], chunk
 
     "of the schedule span": 1 - (the stage's forward+backward time) / (first recorded action
     of either stage to the last), the timeline's definition. "of the whole step": the same
-    over the step's wall time, which adds zero_grad, splitting the batch, the loss
-    all-reduce and optimizer.step. "simulated": the bubble GPipe would have with this
+    over the step's wall time, which adds zero_grad, splitting the batch, the end-of-step
+    status message and optimizer.step. "simulated": the bubble GPipe would have with this
     step's measured per-stage forward and backward times and instant messages
     (schedule.timed_simulation): the part due to the schedule and unequal stages alone.
     "waiting to receive": the stage's time inside receive actions, as a share of the span.
@@ -435,6 +440,10 @@ def report(config: Config, results: list[dict[str, Any]], memory: dict[str, list
         f"  replicator (never) over 1 process, same micro-batches: {speedup_micro:.3f} = {speedup_micro / ideal:.0%} of ideal",
         f"  torch ScheduleGPipe over 1 process, whole batch:       {paired(peer, whole):.3f}",
         f"  replicator (never) over torch ScheduleGPipe:           {ratio_peer:.3f}",
+        "",
+        "point-to-point messages per step (replicator, never; sends and receives, median of the phases): "
+        + ", ".join(f"stage {r['stage']} {statistics.median(r['messages']):.1f}" for r in results)
+        + f" (one per transfer: {M} activations + {M} gradients + 1 status)",
     ]
     steps = [results[0]["steps"][s] for s in range(STAGES)]
     bubble = bubbles(steps, M)
@@ -474,6 +483,7 @@ def report(config: Config, results: list[dict[str, Any]], memory: dict[str, list
         "ratio_vs_schedule_gpipe": ratio_peer, "expected_bubble": expected,
         "bubble_medians": {k: statistics.median(v) for k, v in bubble.items()}, "median_rates": medians,
         "peak_memory_mb": {case: [r["peak"] for r in per_stage] for case, per_stage in memory.items()},
+        "messages_per_step": [statistics.median(r["messages"]) for r in results],
     }
     return lines, summary, healthy
 
@@ -511,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         f"micro-batches of {config.microbatch}; 1 thread per process (the single-process baseline too)",
         flush=True,
     )
+    load_before = os.getloadavg()
     started = time.perf_counter()
     busy_before = busy_cpu_seconds()
     per_phase = (config.warmup + config.steps) * 1.0
@@ -525,9 +536,12 @@ def main(argv: list[str] | None = None) -> int:
     # share is why 2 processes can fall short of 2 cores' worth of speedup.
     machine = {"cores busy (mean)": busy / elapsed, "of which this job": ours / elapsed,
                "of which other processes": (busy - ours) / elapsed}
-    summary["machine"] = machine
+    load_after = os.getloadavg()
+    summary["machine"] = {**machine, "load average (1, 5, 15 min) before": load_before,
+                          "load average (1, 5, 15 min) after": load_after}
     lines.append(f"\nduring the timed job ({elapsed:.0f} s): " + ", ".join(f"{k} {v:.2f}" for k, v in machine.items())
-                 + f" of {os.cpu_count()} cores; load average now {os.getloadavg()[0]:.1f}")
+                 + f" of {os.cpu_count()} cores; load average (1, 5, 15 min) before "
+                 + "/".join(f"{x:.1f}" for x in load_before) + ", after " + "/".join(f"{x:.1f}" for x in load_after))
     print("\n".join(lines), flush=True)
     if options.json:
         os.makedirs(os.path.dirname(os.path.abspath(options.json)), exist_ok=True)

@@ -166,35 +166,86 @@ def equivalence_worker(num_stages: int) -> dict[str, Any]:
 
 
 def p2p_round_trip(groups: Any, stage_id: int) -> bool:
-    """Every dtype, nesting and a header longer than one message survive the trip both ways."""
+    """Every dtype, nesting and a header longer than the first message survive the trip both ways."""
     value = {
-        "a much longer key than usual, to push the header past its first message": torch.randn(3, 2),
+        "a much longer key than usual, to push the header past the first message's bytes" * 4: torch.randn(3, 2),
         "dtypes": [torch.arange(4, dtype=d) for d in (torch.int8, torch.int32, torch.int64, torch.uint8, torch.float16,
                                                        torch.bfloat16, torch.float64)],
         "flags": (torch.tensor([True, False]), torch.zeros(0, 5), torch.tensor(7.0, requires_grad=True)),
+        "complex": torch.tensor([1 + 2j], dtype=torch.complex128),
         "gradient slot": None,
     }
     peer = groups.stage_ranks[1 - stage_id]
-    pending: list[Any] = []
+    out = p2p.Link(peer, groups.stage, torch.device("cpu"))
+    into = p2p.Link(peer, groups.stage, torch.device("cpu"))
     if stage_id == 0:
-        p2p.send_value(value, microbatch=3, microbatch_size=2, batch_size=9, peer=peer, group=groups.stage,
-                       device=torch.device("cpu"), pending=pending, allow_none=True)
-        back = p2p.recv_message(peer, groups.stage, torch.device("cpu"))
+        out.send("key", value, microbatch=3, microbatch_size=2, batch_size=9, allow_none=True, loss=1.25)
+        back = into.recv("key")
     else:
-        back = p2p.recv_message(peer, groups.stage, torch.device("cpu"))
-        p2p.send_value(back.value, microbatch=back.microbatch, microbatch_size=back.microbatch_size,
-                       batch_size=back.batch_size, peer=peer, group=groups.stage, device=torch.device("cpu"),
-                       pending=pending, allow_none=True)
-    for work, _ in pending:
-        work.wait()
+        back = into.recv("key")
+        out.send("key", back.value, microbatch=back.microbatch, microbatch_size=back.microbatch_size,
+                 batch_size=back.batch_size, allow_none=True, loss=back.loss)
+    out.settle_all()
     got = back.value
     same = [torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(iter_tensors(value), iter_tensors(got))]
     return (
-        (back.microbatch, back.microbatch_size, back.batch_size) == (3, 2, 9)
-        and list(got) == list(value) and all(same) and len(same) == 11
+        (back.microbatch, back.microbatch_size, back.batch_size, back.loss) == (3, 2, 9, 1.25)
+        and list(got) == list(value) and all(same) and len(same) == 12
         and got["gradient slot"] is None and isinstance(got["flags"], tuple) and isinstance(got["dtypes"], list)
         and got["flags"][2].requires_grad and not got["flags"][0].requires_grad
     )
+
+
+def p2p_sizes(groups: Any, stage_id: int) -> dict[str, Any]:
+    """Shapes grow, shrink and come back: values always arrive intact, and a known size costs one message.
+
+    Rank 0 sends, rank 1 receives; per transfer, the number of point-to-point messages
+    each end posted. A receive posted with the wrong size would corrupt the values or
+    kill the receiving process, so the values are compared too.
+    """
+    peer = groups.stage_ranks[1 - stage_id]
+    link = p2p.Link(peer, groups.stage, torch.device("cpu"))
+    rows = [64, 64, 200, 200, 3, 3, 64, 0]  # the first exceeds p2p.FIRST_BYTES, like most activations
+    messages, intact = [], []
+    for n, count in enumerate(rows):
+        value = (torch.arange(count * 4, dtype=torch.float32).reshape(count, 4) + n, torch.tensor([n, count]))
+        before = link.messages
+        if stage_id == 0:
+            link.send("same key", value, microbatch=n, microbatch_size=count, batch_size=0)
+            link.settle_all()
+            intact.append(True)
+        else:
+            got = link.recv("same key").value
+            intact.append(all(torch.equal(a, b) for a, b in zip(value, got)))
+            version = got[0]._version
+            got[1].add_(1)  # received tensors are separate: changing one leaves the other (and autograd) alone
+            intact[-1] &= torch.equal(got[0], value[0]) and got[0]._version == version
+        messages.append(link.messages - before)
+    # An abort is a message like any other on the same link: the next data message still fits.
+    if stage_id == 0:
+        link.send_abort("same key", "stage 0 failed: boom", microbatch=9)
+        link.send("same key", torch.ones(64, 4), microbatch=10, microbatch_size=64, batch_size=0)
+        link.settle_all()
+        abort_ok = True
+    else:
+        abort = link.recv("same key")
+        after = link.recv("same key")
+        abort_ok = (abort.is_abort and abort.error == "stage 0 failed: boom" and abort.microbatch == 9
+                    and torch.equal(after.value, torch.ones(64, 4)))
+    return {"messages": messages, "intact": all(intact), "abort": abort_ok}
+
+
+def messages_per_step(groups: Any, stage_id: int) -> list[int]:
+    """Point-to-point messages each training step of a 2-stage, 4-micro-batch GPipe posts on this stage."""
+    pipe = build_pipeline(make_layers(), stage_id=stage_id, num_stages=2, balance=BALANCE[2],
+                          stage_ranks=groups.stage_ranks, stage_group=groups.stage, chunks=4)
+    x, y = make_batches(total=16)[0]
+    counts = []
+    for _ in range(3):
+        before = pipe.message_count
+        pipe.train_step(x, y, F.cross_entropy)
+        counts.append(pipe.message_count - before)
+    return counts
 
 
 def two_stage_worker(trace_dir: str) -> dict[str, Any]:
@@ -202,6 +253,8 @@ def two_stage_worker(trace_dir: str) -> dict[str, Any]:
     groups = build_process_groups(discover(), stages=2)
     stage_id = _stage_of(groups)
     results["p2p"] = p2p_round_trip(groups, stage_id)
+    results["p2p_sizes"] = p2p_sizes(groups, stage_id)
+    results["messages_per_step"] = messages_per_step(groups, stage_id)
     results["batchnorm"] = batchnorm_checks(groups, stage_id)
     results["timeline"] = timeline_checks(groups, stage_id, trace_dir)
     results["time_balance"] = time_balance_check(groups)
@@ -489,6 +542,24 @@ def test_messages_carry_any_structure_of_tensors(two_stages: list[dict[str, Any]
     assert [r["p2p"] for r in two_stages] == [True, True]
 
 
+def test_one_message_per_transfer_once_its_size_is_known(two_stages: list[dict[str, Any]]) -> None:
+    for result in two_stages:
+        sizes = result["p2p_sizes"]
+        assert sizes["intact"] and sizes["abort"], sizes
+        # 64 rows: new key, beyond the first message's bytes -> 2; the same again -> 1; 200 rows:
+        # grown -> 2, then 1; 3 rows: shrunk, sent padded -> 1, 1; 64 rows: grown again -> 2; empty -> 1.
+        assert sizes["messages"] == [2, 1, 2, 1, 1, 1, 2, 1], sizes
+
+
+def test_a_training_step_posts_one_message_per_transfer(two_stages: list[dict[str, Any]]) -> None:
+    for result in two_stages:
+        first, *steady = result["messages_per_step"]
+        # 4 activations, 4 gradients and the end-of-step status; the first step sends each
+        # message that outgrows its first FIRST_BYTES in two parts.
+        assert steady == [9, 9], result["messages_per_step"]
+        assert first > 9
+
+
 def test_time_balance_is_agreed_by_every_stage(two_stages: list[dict[str, Any]]) -> None:
     balances = [r["time_balance"] for r in two_stages]
     assert balances[0] == balances[1]
@@ -529,3 +600,34 @@ def test_single_stage_pipeline_without_distributed() -> None:
             build_pipeline(make_layers(), stage_id=0, num_stages=2, balance=[4, 5])
     finally:
         torch.set_num_threads(torch_threads)
+
+
+def test_receives_prove_which_sends_were_delivered() -> None:
+    from replicator.pipeline.schedule import make_schedule
+    from replicator.pipeline.stage import _delivered_counts
+
+    gpipe = make_schedule("gpipe", 2, 4)
+    stage0 = _delivered_counts(gpipe, 0)
+    # Stage 1 sends its first gradient after receiving all 4 activations: stage 0's copies of
+    # them can go before its backwards start.
+    assert [c for a, c in zip(gpipe.stages[0], stage0) if a.op.is_recv] == [4, 4, 4, 4]
+    # Stage 1 hears back from stage 0 only through activations, sent before any gradient.
+    assert set(_delivered_counts(gpipe, 1)) == {0}
+    one_f_one_b = make_schedule("1f1b", 3, 4)
+    middle = [(str(a), c) for a, c in zip(one_f_one_b.stages[1], _delivered_counts(one_f_one_b, 1)) if a.op.is_recv]
+    assert all(c <= 4 for _, c in middle) and any(c > 0 for a, c in middle if a.startswith("RG"))
+
+
+def test_encoding_a_value_keeps_none_of_its_tensors_alive() -> None:
+    import gc
+    import weakref
+
+    x = torch.randn(3)
+    alive = weakref.ref(x)
+    gc.disable()  # a reference cycle would keep x until the collector ran: make that visible
+    try:
+        p2p.encode_structure({"x": [x, (x,)]})
+        del x
+        assert alive() is None
+    finally:
+        gc.enable()

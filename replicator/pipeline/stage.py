@@ -1,26 +1,10 @@
-"""PipelineStage: this process's stage of a pipeline, running its schedule over point-to-point messages.
-
-Every stage calls `train_step` (or `eval_step`) with the same arguments; the first stage
-uses the inputs, the last the targets and the loss function. The stage walks its list of
-actions from the schedule: forwards and backwards of micro-batches, and the sends and
-receives that link it to its neighbours. Sends are started without waiting (isend) and
-completed at the end of the step; receives wait.
-
-Failures never leave a neighbour waiting. A stage whose forward, backward, loss or input
-fails keeps walking its schedule without computing: each send becomes an *abort* message
-that carries the error, each receive still takes its message. The step then ends on every
-stage with one small all-reduce of the loss and of a per-stage failure flag (and, only
-after a failure, a broadcast of the failing stage's message), and every stage raises
-PipelineError naming the stage that failed and why. No message is left
-unmatched, so the pipeline can run the next step (zero the gradients first: a failed step
-may have accumulated some).
-"""
+"""PipelineStage: this process's stage of a pipeline, running its schedule over point-to-point messages."""
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Hashable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,11 +52,12 @@ class _Step:
     inputs: dict[int, Any] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    loss_total: torch.Tensor | None = None
+    loss_total: torch.Tensor | None = None  # the last stage's sum of the micro-batch losses
+    loss_relayed: float | None = None  # the same, as the next stage's last gradient message carried it
     grads_in: dict[int, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     grads_out: dict[int, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     targets: list[Any] | None = None
-    pending: list[tuple[Any, Any]] = field(default_factory=list)
+    sent_before: dict[int, int] = field(default_factory=dict)  # transfers each neighbour had been sent before this step
 
     @property
     def ok(self) -> bool:
@@ -85,6 +70,28 @@ class _Step:
 
 class PipelineStage:
     """One stage of a K-stage pipeline that splits each mini-batch into `chunks` micro-batches.
+
+    Every stage calls `train_step` (or `eval_step`) with the same arguments; the first stage
+    uses the inputs, the last the targets and the loss function. The stage walks its list
+    of actions from the schedule: forwards and backwards of micro-batches, and the sends
+    and receives that link it to its neighbours (p2p.Link). Sends are started without
+    waiting and completed at the end of the step; receives wait.
+
+    Failures never leave a neighbour waiting. A stage whose forward, backward, loss or
+    input fails keeps walking its schedule without computing: each send becomes an *abort*
+    message that carries the error, each receive still takes its message. A training step
+    then ends without a collective. In any schedule that `check_schedule` accepts, a
+    stage's last gradient send comes after all its computing and receiving (a receive
+    precedes the pass that needs it, a pass precedes its send), so every failure reaches
+    the stages upstream of it as an aborted gradient, and the sum of the losses reaches the
+    first stage in the header of each stage's last gradient message. Downstream, a failure
+    travels as an aborted activation, except one that comes after a stage's last
+    activation send (in a backward): for that, each stage passes a tiny *status* message
+    (ok, or the failure) to the next once its actions are done. An evaluation step, whose
+    messages flow downstream only, ends with one small all-reduce of a failure flag per
+    stage. Every stage then raises PipelineError naming the stage that failed and why. No
+    message is left unmatched, so the pipeline can run the next step (zero the gradients
+    first: a failed step may have accumulated some).
 
     Args:
         module: this stage's layers (called as `module(x)`, where x is a tensor or a
@@ -166,6 +173,24 @@ class PipelineStage:
         self.no_sync = no_sync
         backwards = [a.microbatch for a in self.schedule.stages[stage_id] if a.op is Op.BACKWARD]
         self._last_backward = backwards[-1]
+        self._train_delivered = _delivered_counts(self.schedule, stage_id)
+        self._eval_delivered = _delivered_counts(self._forward_schedule, stage_id)
+        gradient_sends = [a for a in self.schedule.stages[stage_id] if a.op is Op.SEND_GRADIENT]
+        self._last_gradient_send = gradient_sends[-1] if gradient_sends else None
+        # One link per neighbour and direction; activations and status messages share the
+        # downstream one, which keeps them in the order both ends expect.
+        self._to_next: p2p.Link | None = None
+        self._from_next: p2p.Link | None = None
+        self._to_previous: p2p.Link | None = None
+        self._from_previous: p2p.Link | None = None
+        if num_stages > 1:
+            assert group is not None
+            if not self.is_last:
+                self._to_next = p2p.Link(self.stage_ranks[stage_id + 1], group, self.device)
+                self._from_next = p2p.Link(self.stage_ranks[stage_id + 1], group, self.device)
+            if not self.is_first:
+                self._to_previous = p2p.Link(self.stage_ranks[stage_id - 1], group, self.device)
+                self._from_previous = p2p.Link(self.stage_ranks[stage_id - 1], group, self.device)
 
     # -- identity ----------------------------------------------------------------------
     @property
@@ -175,6 +200,12 @@ class PipelineStage:
     @property
     def is_last(self) -> bool:
         return self.stage_id == self.num_stages - 1
+
+    @property
+    def message_count(self) -> int:
+        """Point-to-point messages this stage has posted so far, sends and receives."""
+        links = (self._to_next, self._from_next, self._to_previous, self._from_previous)
+        return sum(link.messages for link in links if link is not None)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """This stage's parameters (give them to this stage's optimizer)."""
@@ -207,19 +238,17 @@ class PipelineStage:
         added. Gradients accumulate into `.grad` as loss.backward() would: zero them
         between steps. Returns a detached float32 scalar on this stage's device.
         """
-        step = _Step(training=True)
-        self.timeline.clear()
+        step = self._begin(training=True)
         with torch.enable_grad():
             if reduction not in ("mean", "sum"):
                 self._fail(step, ValueError(f'reduction must be "mean" or "sum", got {reduction!r}'))
             elif self.is_last and not callable(loss_fn):
                 self._fail(step, ValueError(f"train_step needs a loss_fn(output, target) on the last stage, got {loss_fn!r}"))
             self._start(step, inputs, targets)
-            for action in self.schedule.stages[self.stage_id]:
+            for action, delivered in zip(self.schedule.stages[self.stage_id], self._train_delivered):
                 with self.timeline.record(action.op.value, action.microbatch):
-                    self._act(action, step, targets, loss_fn, reduction)
-        total = self._finish(step)
-        return total.to(torch.float32)
+                    self._act(action, step, targets, loss_fn, reduction, delivered)
+        return self._finish_training(step).to(torch.float32)
 
     def eval_step(self, inputs: Any = None) -> Any:
         """Forward only (no gradients); return the joined output on the last stage, None on the others.
@@ -227,31 +256,57 @@ class PipelineStage:
         Every stage must call it (with the inputs on the first stage). The module's mode
         (train/eval) is the caller's: call `stage.eval()` for inference behaviour.
         """
-        step = _Step(training=False)
-        self.timeline.clear()
+        step = self._begin(training=False)
         result: Any = None
         with torch.no_grad():
             self._start(step, inputs, None)
-            for action in self._forward_schedule.stages[self.stage_id]:
+            for action, delivered in zip(self._forward_schedule.stages[self.stage_id], self._eval_delivered):
                 with self.timeline.record(action.op.value, action.microbatch):
-                    self._act(action, step, None, None, "mean")
+                    self._act(action, step, None, None, "mean", delivered)
             if self.is_last and step.ok:
                 try:
                     result = gather([step.outputs.pop(i) for i in range(self.chunks)])
                 except Exception as error:
                     self._fail(step, error)
-        self._finish(step)
+        self._finish_evaluation(step)
         return result
 
     def gather_timeline(self) -> list[Event]:
         """Every stage's events of the last step, on every stage (collective over the stage group)."""
         if self.group is None or self.num_stages == 1:
             return list(self.timeline.events)
-        gathered: list[list[Event] | None] = [None] * self.num_stages
-        dist.all_gather_object(gathered, list(self.timeline.events), group=self.group)
-        return [e for events in gathered for e in (events or [])]
+        # Numbers in a tensor, not all_gather_object: that would unpickle whatever the peers send.
+        ops = [op.value for op in Op]
+        rows = [[e.stage, ops.index(e.op), e.microbatch, e.start, e.end, e.replica] for e in self.timeline.events]
+        mine = torch.tensor(rows, dtype=torch.float64).reshape(-1, 6).to(self.device)
+        counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.num_stages)]
+        dist.all_gather(counts, torch.tensor([len(rows)], device=self.device), group=self.group)
+        sizes = [int(c.item()) for c in counts]
+        if not max(sizes):
+            return []
+        padded = torch.zeros(max(sizes), 6, dtype=torch.float64, device=self.device)
+        padded[: len(rows)] = mine
+        gathered = [torch.empty_like(padded) for _ in range(self.num_stages)]
+        dist.all_gather(gathered, padded, group=self.group)
+        return [
+            Event(int(r[0]), ops[int(r[1])], int(r[2]), float(r[3]), float(r[4]), int(r[5]))
+            for tensor, size in zip(gathered, sizes) for r in tensor[:size].cpu().tolist()
+        ]
 
     # -- the step's pieces -------------------------------------------------------------
+    def _begin(self, training: bool) -> _Step:
+        step = _Step(training=training)
+        for link in (self._to_next, self._to_previous):
+            if link is not None:
+                step.sent_before[link.peer] = link.sent
+        self.timeline.clear()
+        return step
+
+    def _settle_sends(self) -> None:
+        for link in (self._to_next, self._to_previous):
+            if link is not None:
+                link.settle_all()
+
     def _fail(self, step: _Step, error: BaseException | str) -> None:
         if step.failure is not None:
             return
@@ -290,7 +345,8 @@ class PipelineStage:
             )
         step.targets = [_to_device(t, self.device) for t in scatter(targets, self.chunks)]
 
-    def _act(self, action: Action, step: _Step, targets: Any, loss_fn: LossFn | None, reduction: str) -> None:
+    def _act(self, action: Action, step: _Step, targets: Any, loss_fn: LossFn | None, reduction: str,
+             delivered: int) -> None:
         op, i = action.op, action.microbatch
         if op is Op.FORWARD or op is Op.BACKWARD:
             if step.ok:
@@ -302,11 +358,18 @@ class PipelineStage:
                 except Exception as error:
                     self._fail(step, error)
         elif op is Op.SEND_ACTIVATION:
-            self._send(i, step, step.outputs.pop(i, None), self.stage_ranks[self.stage_id + 1], keep=step.training)
+            assert self._to_next is not None
+            self._send(self._to_next, ("activation", step.training, i), i, step, step.outputs.pop(i, None),
+                       keep=step.training)
         elif op is Op.SEND_GRADIENT:
-            self._send(i, step, step.grads_out.pop(i, None), self.stage_ranks[self.stage_id - 1], keep=False)
+            loss = None
+            if action == self._last_gradient_send:  # every micro-batch's loss is in by now: pass it on
+                loss = self._known_loss(step)
+            assert self._to_previous is not None
+            self._send(self._to_previous, ("gradient", i), i, step, step.grads_out.pop(i, None), keep=False, loss=loss)
         elif op is Op.RECV_ACTIVATION:
-            message = p2p.recv_message(self.stage_ranks[self.stage_id - 1], self.group, self.device)  # type: ignore[arg-type]
+            message = self._from_previous.recv(("activation", step.training, i))  # type: ignore[union-attr]
+            self._settle(self._to_previous, step, delivered)
             if message.is_abort:
                 self._fail(step, message.error or "")
             elif step.ok:
@@ -315,25 +378,44 @@ class PipelineStage:
                 except Exception as error:
                     self._fail(step, error)
         else:  # RECV_GRADIENT
-            message = p2p.recv_message(self.stage_ranks[self.stage_id + 1], self.group, self.device)  # type: ignore[arg-type]
+            message = self._from_next.recv(("gradient", i))  # type: ignore[union-attr]
+            self._settle(self._to_next, step, delivered)
             if message.is_abort:
                 self._fail(step, message.error or "")
-            elif step.ok:
-                step.grads_in[i] = message.value
+            else:
+                if message.loss is not None:
+                    step.loss_relayed = message.loss
+                if step.ok:
+                    step.grads_in[i] = message.value
 
-    def _send(self, i: int, step: _Step, value: Any, peer: int, keep: bool) -> None:
+    def _send(self, link: p2p.Link, key: Hashable, i: int, step: _Step, value: Any, keep: bool,
+              loss: float | None = None) -> None:
         if step.ok:
             if keep:
-                step.outputs[i] = value  # the graph stays for backward; only detached copies travel
-            p2p.send_value(
-                value, microbatch=i, microbatch_size=step.sizes.get(i, 0), batch_size=step.batch_size, peer=peer,
-                group=self.group, device=self.device, pending=step.pending, allow_none=True,  # type: ignore[arg-type]
-            )
+                step.outputs[i] = value  # the graph stays for backward; only the packed bytes travel
+            link.send(key, value, microbatch=i, microbatch_size=step.sizes.get(i, 0), batch_size=step.batch_size,
+                      allow_none=True, loss=loss)
         else:
-            p2p.send_abort(step.failure or "", microbatch=i, peer=peer, group=self.group,  # type: ignore[arg-type]
-                           device=self.device, pending=step.pending)
-        # Let go of what has been delivered, so eval does not hold every output until the end.
-        step.pending = [(work, tensor) for work, tensor in step.pending if not work.is_completed()]
+            link.send_abort(key, step.failure or "", microbatch=i)
+
+    @staticmethod
+    def _settle(link: p2p.Link | None, step: _Step, delivered: int) -> None:
+        """Let go of the packed copies of the sends to `link`'s peer that it has surely received.
+
+        `delivered` counts this step's sends the peer had received before sending the
+        message that just arrived (from the schedule): without this, the first stage would
+        hold a copy of every activation it sent through its backwards, where its memory
+        peaks.
+        """
+        if link is not None and delivered:
+            link.settle(step.sent_before[link.peer] + delivered)
+
+    def _known_loss(self, step: _Step) -> float | None:
+        if not step.ok:
+            return None
+        if self.is_last:
+            return None if step.loss_total is None else float(step.loss_total)
+        return step.loss_relayed
 
     def _accept_input(self, i: int, message: p2p.Message, step: _Step, targets: Any) -> None:
         if message.microbatch != i:
@@ -388,18 +470,48 @@ class PipelineStage:
         if not self.is_first:
             step.grads_out[i] = tuple(t.grad for t in iter_tensors(x) if t.requires_grad)
 
-    def _finish(self, step: _Step) -> torch.Tensor:
-        for work, _ in step.pending:
-            work.wait()
-        step.pending.clear()
+    def _finish_training(self, step: _Step) -> torch.Tensor:
+        """End a training step without a collective: each stage tells the next whether the step failed.
+
+        Only the stages downstream of a failed backward have not heard of it yet, and they
+        do through this status message; every other failure reached every stage through
+        the activations and gradients (see the class docstring).
+        """
+        if self._from_previous is not None:
+            message = self._from_previous.recv(("status",))
+            if message.is_abort:
+                self._fail(step, message.error or "")
+        if self._to_next is not None:
+            if step.ok:
+                self._to_next.send(("status",), None, microbatch=-1, microbatch_size=0, batch_size=0, allow_none=True)
+            else:
+                self._to_next.send_abort(("status",), step.failure or "", microbatch=-1)
+        # Every send completes before the step returns: a work dropped while in flight (say,
+        # with a pipeline the caller discards) would lose its message.
+        self._settle_sends()
+        commit_deferred_batchnorm(self.module, keep=step.ok)
+        if not step.ok:
+            where = "" if step.cause is not None else f" [reported on {self._where()}]"
+            step.drop_state()
+            raise PipelineError(
+                f"pipeline step failed: {step.failure}{where}. Every stage stopped this step; gradients may be "
+                "partly accumulated, so zero them before the next step"
+            ) from step.cause
+        if self.is_last:
+            assert step.loss_total is not None
+            return step.loss_total
+        assert step.loss_relayed is not None, "the next stage's last gradient message carried no loss"
+        return torch.tensor(step.loss_relayed, dtype=torch.float64, device=self.device)
+
+    def _finish_evaluation(self, step: _Step) -> None:
+        """End an evaluation step: every stage learns, through one all-reduce, whether any failed."""
+        self._settle_sends()
         own = 2.0 if step.cause is not None else (1.0 if step.failure is not None else 0.0)
-        summary = torch.zeros(self.num_stages + 1, dtype=torch.float64, device=self.device)
-        if self.is_last and step.ok and step.loss_total is not None:
-            summary[0] = step.loss_total
-        summary[1 + self.stage_id] = own
+        flags_tensor = torch.zeros(self.num_stages, dtype=torch.float64, device=self.device)
+        flags_tensor[self.stage_id] = own
         if self.num_stages > 1:
-            dist.all_reduce(summary, group=self.group)
-        flags = summary[1:].tolist()
+            dist.all_reduce(flags_tensor, group=self.group)
+        flags = flags_tensor.tolist()
         commit_deferred_batchnorm(self.module, keep=not any(flags))
         if any(flags):
             origins = [s for s, flag in enumerate(flags) if flag == 2.0]
@@ -412,14 +524,14 @@ class PipelineStage:
                 f"pipeline step failed: {reason}{where}. Every stage stopped this step; gradients may be partly "
                 "accumulated, so zero them before the next step"
             ) from step.cause
-        return summary[0]
 
     def _failure_text(self, step: _Step, origin: int) -> str:
         """The failing stage's own description of its error, shared with every stage."""
         if self.num_stages == 1:
             return step.failure or ""
-        # Only on the failure path: a stage downstream of a failed backward never hears
-        # of it through messages, so the first failing stage broadcasts its text.
+        # Only on the failure path: evaluation messages flow downstream only, so a stage
+        # upstream of a failure never hears of it through them; the first failing stage
+        # broadcasts its text.
         text = torch.zeros(_FAILURE_TEXT_BYTES, dtype=torch.uint8)
         raw = (step.failure or "").encode("utf-8")[:_FAILURE_TEXT_BYTES] if self.stage_id == origin else b""
         if raw:
@@ -427,3 +539,31 @@ class PipelineStage:
         text = text.to(self.device)
         dist.broadcast(text, src=self.stage_ranks[origin], group=self.group)
         return bytes(text.cpu().tolist()).rstrip(b"\0").decode("utf-8", errors="replace")
+
+
+
+def _delivered_counts(schedule: Schedule, stage: int) -> list[int]:
+    """For each action of `stage`: if it receives, how many of the step's sends to that neighbour it proves delivered.
+
+    The neighbour sent the message after receiving that many of ours (the schedule says
+    how many), so those sends have completed. Other actions get 0.
+    """
+    actions = schedule.stages[stage]
+    counts = [0] * len(actions)
+    for neighbour, incoming, outgoing_there, incoming_there in (
+        (stage - 1, Op.RECV_ACTIVATION, Op.SEND_ACTIVATION, Op.RECV_GRADIENT),
+        (stage + 1, Op.RECV_GRADIENT, Op.SEND_GRADIENT, Op.RECV_ACTIVATION),
+    ):
+        if not 0 <= neighbour < schedule.num_stages:
+            continue
+        proven = []  # per message the neighbour sends us: our messages it had received by then
+        received = 0
+        for action in schedule.stages[neighbour]:
+            if action.op is incoming_there:
+                received += 1
+            elif action.op is outgoing_there:
+                proven.append(received)
+        positions = [n for n, action in enumerate(actions) if action.op is incoming]
+        for position, count in zip(positions, proven, strict=True):
+            counts[position] = count
+    return counts
