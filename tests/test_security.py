@@ -118,8 +118,6 @@ def test_the_core_never_unpickles_except_through_an_allow_list() -> None:
     assert all(restricted for _, restricted in unpicklers), f"an Unpickler without find_class: {unpicklers}"
 
 
-@pytest.mark.xfail(strict=True, reason="pipeline/stage.py gather_timeline() uses dist.all_gather_object, which "
-                                       "unpickles the stage peers' bytes; send the events as a tensor instead")
 def test_the_core_never_unpickles_what_peers_send() -> None:
     offenders = [f"{_where(path, node)} {name}" for path in _sources() for node, _, name in _calls(path)
                  if name in PEER_OBJECT_CALLS]
