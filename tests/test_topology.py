@@ -38,7 +38,10 @@ def test_bad_environment_is_named() -> None:
 
 def test_single_node_launch_binds_loopback() -> None:
     arguments = torchrun_arguments(LaunchSpec("train.py", ["--lr", "1"], nproc_per_node=4))
-    assert arguments[arguments.index("--master-addr") + 1] == "127.0.0.1"
+    # replicator's own rendezvous: torchrun's static one would start a store on every interface
+    assert arguments[arguments.index("--rdzv-backend") + 1] == "replicator-loopback"
+    assert arguments[arguments.index("--rdzv-endpoint") + 1].startswith("127.0.0.1:")
+    assert "--master-addr" not in arguments
     assert arguments[-3:] == ["train.py", "--lr", "1"]
 
 
