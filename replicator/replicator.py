@@ -485,10 +485,9 @@ class Replicator:
         if verdict.maxima[2] == 0 or self.nonfinite != "raise":
             return
         intents = self.agreement.exchange("non-finite outputs", "", [float(bool(nonfinite))])
-        spots = ", ".join(nonfinite) if nonfinite else "nothing here"
         culprits = {i.replica: ["(see that replica's error)"] for i in intents if i.values[0]}
         if nonfinite:
-            culprits[self.replica_id] = [spots]
+            culprits[self.replica_id] = nonfinite
         raise NonFiniteError(self._nonfinite_message(step - 1, culprits))
 
     def _nonfinite_message(self, step: int, culprits: dict[int, list[str]]) -> str:
