@@ -6,13 +6,12 @@ import mmap
 import os
 import secrets
 import stat
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from replicator.sync.hierarchical import processes_per_node, replicas_per_node
-from replicator.sync.summation import replica_partition
+from replicator.sync.summation import create_groups, replica_partition
 from replicator.topology import ProcessGroups
 
 __all__ = ["SharedMemorySum", "shared_memory_usable", "SHARED_MEMORY_DIR"]
@@ -77,15 +76,8 @@ class SharedMemorySum:
     def __init__(self, groups: ProcessGroups, timeout_s: float) -> None:
         self.size = len(groups.replica_ranks)
         self.position = groups.replica_ranks.index(dist.get_rank())
-        me = dist.get_rank()
-        self.group: dist.ProcessGroup | None = None
-        stage = 0
-        for stage_index, ranks in enumerate(replica_partition(groups)):
-            # Gloo barriers even when the job runs NCCL: they guard host memory.
-            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo")
-            if me in ranks:
-                self.group, stage = group, stage_index
-        assert self.group is not None
+        self.group = create_groups(replica_partition(groups), timeout_s)
+        stage = groups.stage_ranks.index(dist.get_rank())
         # A name nobody can guess, agreed on by the stage's replicas: the first one draws it.
         token = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
         dist.broadcast(token, src=groups.replica_ranks[0], group=self.group)
