@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Hashable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Hashable, Iterator, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -491,12 +491,7 @@ class PipelineStage:
         self._settle_sends()
         commit_deferred_batchnorm(self.module, keep=step.ok)
         if not step.ok:
-            where = "" if step.cause is not None else f" [reported on {self._where()}]"
-            step.drop_state()
-            raise PipelineError(
-                f"pipeline step failed: {step.failure}{where}. Every stage stopped this step; gradients may be "
-                "partly accumulated, so zero them before the next step"
-            ) from step.cause
+            self._raise_failed(step, str(step.failure))
         if self.is_last:
             assert step.loss_total is not None
             return step.loss_total
@@ -518,12 +513,16 @@ class PipelineStage:
             reason = self._failure_text(step, origins[0]) if origins else (step.failure or "a stage failed")
             if len(origins) > 1:
                 reason += f" (stages {origins} failed)"
-            where = "" if step.cause is not None else f" [reported on {self._where()}]"
-            step.drop_state()
-            raise PipelineError(
-                f"pipeline step failed: {reason}{where}. Every stage stopped this step; gradients may be partly "
-                "accumulated, so zero them before the next step"
-            ) from step.cause
+            self._raise_failed(step, reason)
+
+    def _raise_failed(self, step: _Step, reason: str) -> NoReturn:
+        """Every stage ends a failed step with the same error, naming where it was reported."""
+        where = "" if step.cause is not None else f" [reported on {self._where()}]"
+        step.drop_state()
+        raise PipelineError(
+            f"pipeline step failed: {reason}{where}. Every stage stopped this step; gradients may be partly "
+            "accumulated, so zero them before the next step"
+        ) from step.cause
 
     def _failure_text(self, step: _Step, origin: int) -> str:
         """The failing stage's own description of its error, shared with every stage."""
