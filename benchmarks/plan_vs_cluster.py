@@ -18,8 +18,10 @@ job:
   - the step time with each reducer (benchmarks/allreduce.py's measure_steps, interleaved, medians).
 Then the planner (replicator.plan.predict) describes the cluster with Cluster.two_level and
 predicts each step; the relative error is (predicted - measured) / measured, target |error| <= 15%.
-For reference it also prints two variants: the inter-node bandwidth set to the raw line rate
-(headers then count as payload), and compute from a
+For reference it also prints three variants: no overlap of communication with backward
+(Accelerator.overlap = 0: what other load on the cores pushes the cluster towards, since Gloo's
+copies and the kernel's network stack then take cycles from the backward pass), the inter-node
+bandwidth set to the raw line rate (headers then count as payload), and compute from a
 512x512 matmul's FLOP/s (what `replicator plan --calibrate` measures; fastest of ten, in all
 4 processes at once) instead of from the model's own step.
 """
@@ -105,6 +107,7 @@ def predictions(config: Config, calibration: dict[str, Any], reducers: tuple[str
     workload = Workload(params=gradient_bytes(config) / 4, flops_per_sample=flops, batch_per_gpu=config.batch)
     # Forward + backward = 3 forwards of FLOPs; the achieved rate that makes them last the measured step.
     fitted = Accelerator(peak_flops=3 * flops * config.batch / compute, efficiency=1.0)
+    serial = Accelerator(peak_flops=fitted.peak_flops, efficiency=1.0, overlap=0.0)
     matmul = Accelerator(peak_flops=calibration["matmul_flops"], efficiency=1.0)
     gpus = config.nodes * config.procs_per_node
     bucket = config.bucket_mb * MiB
@@ -115,8 +118,8 @@ def predictions(config: Config, calibration: dict[str, Any], reducers: tuple[str
                                "fit": {"intra_alpha_s": intra_alpha, "intra_beta": intra_beta, "inter_alpha_s": inter_alpha,
                                        "inter_beta_fitted": inter_beta_fit, "inter_beta_used": goodput,
                                        "inter_line_rate": line_rate}}
-        for label, accelerator, described in (("predicted", fitted, cluster), ("predicted_line_rate", fitted, raw),
-                                              ("predicted_matmul", matmul, cluster)):
+        for label, accelerator, described in (("predicted", fitted, cluster), ("predicted_no_overlap", serial, cluster),
+                                              ("predicted_line_rate", fitted, raw), ("predicted_matmul", matmul, cluster)):
             prediction = predict(workload, accelerator, described, gpus, PLANNED[name], bucket)
             row[label + "_s"] = prediction.step_time
             row[label + "_error"] = (prediction.step_time - measured) / measured
@@ -133,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link-mbit", type=float, default=1000.0, help="each node's link, Mbit/s per direction")
     parser.add_argument("--batch", type=int, default=Config.batch, help="samples per replica per step")
     parser.add_argument("--bucket-mb", type=float, default=Config.bucket_mb, help="gradient bucket size (MiB)")
-    parser.add_argument("--repeats", type=int, default=7, help="repeats per calibration size")
+    parser.add_argument("--repeats", type=int, default=15,
+                        help="repeats per calibration size (small messages' latency is noisy on shared cores)")
     parser.add_argument("--step-repeats", type=int, default=5, help="interleaved repetitions per reducer")
     parser.add_argument("--steps", type=int, default=Config.steps, help="timed steps per phase")
     parser.add_argument("--fp16", action="store_true", help="also compare fp16 compression (flat ring, 2-byte gradients)")
@@ -168,13 +172,14 @@ def main(argv: list[str] | None = None) -> int:
         f"512x512 matmul in 4 processes at once: {calibration['matmul_flops'] / 1e9:.1f} GFLOP/s per process",
         "",
         "| reducer | measured step (ms) | predicted (ms) | error | of which compute / exposed comm. (ms) "
-        "| predicted at raw line rate (ms) | error | predicted with matmul FLOP/s (ms) | error |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| with no overlap (ms) | error | at raw line rate (ms) | error | with matmul FLOP/s (ms) | error |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         lines.append(
             f"| {row['reducer']} | {row['measured_s'] * 1e3:.1f} | {row['predicted_s'] * 1e3:.1f} | {row['predicted_error']:+.1%} "
             f"| {row['planner_compute_s'] * 1e3:.1f} / {row['planner_exposed_s'] * 1e3:.1f} "
+            f"| {row['predicted_no_overlap_s'] * 1e3:.1f} | {row['predicted_no_overlap_error']:+.1%} "
             f"| {row['predicted_line_rate_s'] * 1e3:.1f} | {row['predicted_line_rate_error']:+.1%} "
             f"| {row['predicted_matmul_s'] * 1e3:.1f} | {row['predicted_matmul_error']:+.1%} |")
     checked = [r for r in rows if r["reducer"] in ("flat", "hierarchical")]

@@ -147,6 +147,19 @@ def test_pipeline_bubble_is_k_minus_1_over_m_plus_k_minus_1() -> None:
     with_recompute = step_time(work, gpu, None, 1e6, Pipeline(4, 8, recompute=True))
     assert with_recompute.backward == pytest.approx(1.5 * step.backward)
 
+def test_overlap_moves_exposed_communication_between_ideal_and_serial() -> None:
+    work = Workload(params=25e6, flops_per_sample=4e9, batch_per_gpu=32)
+    ring = lambda size: 1e-4 + size / 1e9  # noqa: E731  a 1 GB/s link with 100 µs per message
+    ideal = step_time(work, Accelerator(1e13), ring, bucket=25e6)
+    serial = step_time(work, Accelerator(1e13, overlap=0.0), ring, bucket=25e6)
+    halfway = step_time(work, Accelerator(1e13, overlap=0.5), ring, bucket=25e6)
+    assert 0 < ideal.exposed < ideal.communication  # some all-reduce hides under backward
+    assert serial.exposed == pytest.approx(serial.communication)  # none does
+    assert halfway.exposed == pytest.approx((ideal.exposed + serial.exposed) / 2)
+    with pytest.raises(ValueError, match="overlap"):
+        Accelerator(1e13, overlap=1.5)
+
+
 
 # --- (b) the published results, from the inputs docs/scaling.md quotes -----------------------
 

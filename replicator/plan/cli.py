@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="peak TFLOP/s of one GPU (default: 10.6, P100 fp32)")
     cluster.add_argument("--efficiency", type=float, default=presets.COMPUTE_EFFICIENCY,
                          help="fraction of peak a real model achieves (default: 0.5)")
+    cluster.add_argument("--overlap", type=float, default=1.0,
+                         help="share of the ideal overlap of gradient all-reduce with backward that happens: "
+                              "1 when it has resources of its own (GPUs), towards 0 where it competes "
+                              "with compute for the same cores (default: 1)")
     cluster.add_argument("--max-gpus", type=int, default=256, help="largest GPU count to plan for (default: 256)")
 
     choices = parser.add_argument_group("what to consider")
@@ -176,7 +180,7 @@ def main(options: argparse.Namespace) -> int:
             )
         if options.gpus_per_node < 1:
             raise ValueError(f"--gpus-per-node must be >= 1, got {options.gpus_per_node}")
-        accelerator = Accelerator(gpu_flops, options.efficiency)
+        accelerator = Accelerator(gpu_flops, options.efficiency, options.overlap)
         cluster = Cluster.two_level(options.gpus_per_node, intra_bw, intra_latency,
                                     options.inter_bw * 1e9, options.inter_latency * 1e-6)
         counts = gpu_counts(cluster, options.max_gpus)
@@ -187,7 +191,7 @@ def main(options: argparse.Namespace) -> int:
         result = plan(workload, accelerator, cluster, counts, reducers, buckets, options.max_stages, options.recompute)
         name = options.model or ("custom" if options.params is not None else "resnet50")
         title = (f"{name}: {workload.params / 1e6:.1f} M params, {workload.flops_per_sample / 1e9:.2f} GFLOP/sample, "
-                 f"batch {workload.batch_per_gpu}/GPU, {options.gpus_per_node} GPUs/node")
+                 f"batch {workload.batch_per_gpu}/GPU, {options.gpus_per_node} GPUs/node, overlap {accelerator.overlap:g}")
         _print_plan(result, [r.name for r in reducers], title)
         return 0
     except ValueError as error:

@@ -59,16 +59,27 @@ class Workload:
 
 @dataclass(frozen=True)
 class Accelerator:
-    """A GPU (or CPU): peak FLOP/s and the fraction of it a real model achieves."""
+    """A GPU (or CPU): peak FLOP/s, the fraction of it a real model achieves, and how well
+    communication hides under its compute.
+
+    `overlap` is the share of the ideal overlap of gradient all-reduce with backward that
+    happens: 1 where communication has resources of its own (a GPU's all-reduce moves data
+    while kernels run), towards 0 where it needs the cycles the backward pass is using (Gloo's
+    copies and the kernel's network stack on CPU cores that other work also keeps busy), so
+    that it adds to the step instead of hiding under it (docs/cluster.md measures both).
+    """
 
     peak_flops: float
     efficiency: float = 1.0
+    overlap: float = 1.0
 
     def __post_init__(self) -> None:
         if self.peak_flops <= 0:
             raise ValueError(f"peak_flops must be > 0, got {self.peak_flops}")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"efficiency must be in (0, 1], got {self.efficiency}")
+        if not 0 <= self.overlap <= 1:
+            raise ValueError(f"overlap must be in [0, 1], got {self.overlap}")
 
     @property
     def achieved_flops(self) -> float:
@@ -186,5 +197,7 @@ def step_time(
         p2p_time = 2 * slots * p2p(workload.activation_bytes_per_sample * samples_per_micro_batch)
     exposed = busy = 0.0
     if all_reduce is not None:
-        exposed, busy = overlap(workload.gradient_size / stages, bucket, backward_slot, all_reduce)
+        exposed_at_best, busy = overlap(workload.gradient_size / stages, bucket, backward_slot, all_reduce)
+        # Between perfect overlap (only what outlasts backward shows) and none (all of it shows).
+        exposed = accelerator.overlap * exposed_at_best + (1 - accelerator.overlap) * busy
     return StepBreakdown(forward, backward, bubble, p2p_time, busy, exposed)
