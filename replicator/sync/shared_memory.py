@@ -36,13 +36,11 @@ def shared_memory_usable(groups: ProcessGroups, device: torch.device) -> str | N
 
 
 class _Segment:
-    """One mapping of `replicas` rows of `numel` elements, shared by the node's replicas.
-
-    Row i is replica i's contribution, then the slice it owns is summed in place there.
-    """
+    """One mapping shared by the node's replicas: `replicas` rows of `numel` elements, row i
+    being replica i's contribution, and one more row where each replica writes the slice it sums."""
 
     def __init__(self, path: str, replicas: int, numel: int, dtype: torch.dtype) -> None:
-        size = replicas * numel * torch.empty((), dtype=dtype).element_size()
+        size = (replicas + 1) * numel * torch.empty((), dtype=dtype).element_size()
         # 0600 and a random name: only this user's processes that were told the name can map it.
         # O_NOFOLLOW and the owner check: a name planted in the world-writable /dev/shm by someone
         # else (a symlink to one of our files, or a file they can read) is refused, not shared.
@@ -55,7 +53,8 @@ class _Segment:
             self._mapping = mmap.mmap(descriptor, size)
         finally:
             os.close(descriptor)
-        self.rows = torch.frombuffer(self._mapping, dtype=dtype).view(replicas, numel)
+        whole = torch.frombuffer(self._mapping, dtype=dtype).view(replicas + 1, numel)
+        self.rows, self.result = whole[:replicas], whole[replicas]
 
 
 class SharedMemorySum:
@@ -63,12 +62,14 @@ class SharedMemorySum:
 
     Each replica's tensor is its own row of a shared mapping: a bucket allocated through
     `allocate` already is one, anything else is copied into a staging row first. After a barrier,
-    replica i adds up slice i of every row into its own row (a reduce-scatter with no
-    sockets and no kernel copies); after a second barrier every replica copies all the
-    summed slices out (the all-gather); a third barrier keeps anyone from overwriting its row
-    while a peer still reads it. The barriers are tiny Gloo messages on the reducer's own
-    group, so a missing replica still ends in a timeout, not a hang. Each slice is summed
-    by one replica and read by all, so every replica ends with identical bits.
+    replica i adds up slice i of every row into slice i of the result row (a reduce-scatter
+    with no sockets and no kernel copies); after a second barrier every replica copies the
+    whole result row out (the all-gather). No third barrier is needed: after the second,
+    nobody reads the contribution rows, and a replica rewrites its result slice only after
+    the next sum's first barrier, which no peer reaches before it finished copying out.
+    The barriers are tiny Gloo messages on the reducer's own group, so a missing replica
+    still ends in a timeout, not a hang. Each slice is summed by one replica and read by
+    all, so every replica ends with identical bits.
     """
 
     name = "shm"
@@ -126,21 +127,12 @@ class SharedMemorySum:
         flat = tensor.view(-1)
         if flat.numel() == 0:
             return  # every replica holds the same nothing; mmap cannot map zero bytes
-        owned = self._owned.get(flat.data_ptr())
-        in_place = owned is not None and owned.rows.shape[1] == flat.numel()
-        rows = owned.rows if in_place else self._staging_segment(flat.numel(), flat.dtype).rows  # type: ignore[union-attr]
-        bounds = [flat.numel() * k // self.size for k in range(self.size + 1)]
-        mine = slice(bounds[self.position], bounds[self.position + 1])
-        if not in_place:
-            rows[self.position].copy_(flat)
+        segment = self._owned.get(flat.data_ptr())
+        if segment is None or segment.rows.shape[1] != flat.numel():  # not an allocated bucket: stage it
+            segment = self._staging_segment(flat.numel(), flat.dtype)
+            segment.rows[self.position].copy_(flat)
+        mine = slice(flat.numel() * self.position // self.size, flat.numel() * (self.position + 1) // self.size)
         dist.barrier(group=self.group)
-        total = rows[self.position, mine]
-        for other in range(self.size):
-            if other != self.position:
-                total.add_(rows[other, mine])
+        torch.sum(segment.rows[:, mine], dim=0, out=segment.result[mine])
         dist.barrier(group=self.group)
-        for owner in range(self.size):
-            if owner != self.position or not in_place:
-                part = slice(bounds[owner], bounds[owner + 1])
-                flat[part].copy_(rows[owner, part])
-        dist.barrier(group=self.group)
+        flat.copy_(segment.result)
