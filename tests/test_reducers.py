@@ -15,6 +15,7 @@ import replicator as rp
 from replicator.sync.bucket import Bucket, assign_buckets
 from replicator.sync.compression import CastReducer
 from replicator.sync.hierarchical import HierarchicalSum, level_groups, plan_levels, replicas_per_node
+from replicator.sync.shared_memory import SharedMemorySum
 from replicator.sync.reducers import FlatReducer, make_reducer, parse_reducer
 from replicator.sync.worker import SummationReducer
 from replicator.testing import run_replicas
@@ -133,6 +134,7 @@ def _lossless(groups: Any, specs: list[Any]) -> dict[str, Any]:
             p.wait()
         out[spec] = {
             "name": reducer.name,
+            "summation": type(getattr(reducer, "summation", reducer)).__name__,
             "results": {(n, integers): (b, e) for (n, integers, _), b, e in zip(inputs, buffers, expected)},
         }
         getattr(reducer, "close", lambda: None)()
@@ -255,8 +257,9 @@ def _two_nodes_of_two() -> dict[str, Any]:
     groups = build_process_groups(discover())
     # 40-byte chunks: every size above crosses the levels in several overlapping chunks.
     chunked = ("chunked", lambda: SummationReducer(HierarchicalSum(groups, (2, 2), 60.0, chunk_bytes=40)))
+    shm_chunked = ("shm chunked", lambda: SummationReducer(SharedMemorySum(groups, 60.0, per_node=2, chunk_bytes=40)))
     out: dict[str, Any] = {"lossless": _lossless(groups, ["hierarchical", "multilevel:2x1x2", "hierarchical:1x2x2", "auto",
-                                                          chunked])}
+                                                          chunked, shm_chunked])}
     errors = {}
     for spec in ["hierarchical:4x1", "hierarchical:2x3", "shm"]:
         try:
@@ -336,7 +339,13 @@ def test_hierarchical_equals_flat_on_two_nodes_of_two(two_by_two: list[dict[str,
     _check_lossless(two_by_two)
     names = {spec: r["name"] for spec, r in two_by_two[0]["lossless"].items()}
     assert names == {"hierarchical": "hierarchical:2x2", "multilevel:2x1x2": "hierarchical:2x1x2",
-                     "hierarchical:1x2x2": "hierarchical:1x2x2", "auto": "hierarchical:2x2", "chunked": "hierarchical:2x2"}
+                     "hierarchical:1x2x2": "hierarchical:1x2x2", "auto": "hierarchical:2x2", "chunked": "hierarchical:2x2",
+                     "shm chunked": "hierarchical:2x2"}
+    # On host memory a hierarchy whose inner level is the node sums inside it through shared memory.
+    summations = {spec: r["summation"] for spec, r in two_by_two[0]["lossless"].items()}
+    assert summations == {"hierarchical": "SharedMemorySum", "auto": "SharedMemorySum", "multilevel:2x1x2": "HierarchicalSum",
+                          "hierarchical:1x2x2": "HierarchicalSum", "chunked": "HierarchicalSum",
+                          "shm chunked": "SharedMemorySum"}
 
 
 def test_shared_memory_equals_flat_on_one_node(one_by_three: list[dict[str, Any]]) -> None:

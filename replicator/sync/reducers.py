@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from replicator.sync.compression import CastReducer
-from replicator.sync.hierarchical import HierarchicalSum, plan_levels, processes_per_node
+from replicator.sync.hierarchical import HierarchicalSum, plan_levels, processes_per_node, replicas_per_node
 from replicator.sync.powersgd import PowerSGDReducer
-from replicator.sync.shared_memory import SharedMemorySum, shared_memory_usable
+from replicator.sync.shared_memory import SharedMemorySum, host_memory_usable, shared_memory_usable
 from replicator.sync.summation import FlatSum, Summation, replica_partition
 from replicator.sync.worker import SummationReducer
 from replicator.topology import DEFAULT_TIMEOUT_S, ProcessGroups
@@ -179,11 +179,29 @@ def _build(spec: str, parsed: ReducerSpec, groups: ProcessGroups, timeout_s: flo
         else:
             levels = plan_levels(partition, processes_per_node(groups), parsed.levels, spec)
     if parsed.compressor is None:
-        return FlatReducer() if levels is None else SummationReducer(HierarchicalSum(groups, levels, timeout_s))
-    summation: Summation = FlatSum(groups, timeout_s) if levels is None else HierarchicalSum(groups, levels, timeout_s)
+        return FlatReducer() if levels is None else SummationReducer(_hierarchy(groups, levels, timeout_s, device))
+    summation: Summation = FlatSum(groups, timeout_s) if levels is None else _hierarchy(groups, levels, timeout_s, device)
     if parsed.compressor == "powersgd":
         return PowerSGDReducer(summation, parsed.rank, error_feedback=parsed.error_feedback)
     return CastReducer(summation, parsed.compressor, error_feedback=parsed.error_feedback)
+
+
+def _hierarchy(groups: ProcessGroups, levels: tuple[int, ...], timeout_s: float, device: torch.device) -> Summation:
+    """A hierarchical sum; when its inner level is exactly the node and gradients are in host
+    memory, that level goes through shared memory instead of socket rings."""
+    per_node = replicas_per_node(replica_partition(groups)[0], processes_per_node(groups))
+    if len(levels) == 2 and levels[0] == per_node > 1 and _every_process_shares_host_memory(groups, device):
+        return SharedMemorySum(groups, timeout_s, per_node=per_node)
+    return HierarchicalSum(groups, levels, timeout_s)
+
+
+def _every_process_shares_host_memory(groups: ProcessGroups, device: torch.device) -> bool:
+    """Whether /dev/shm works on every node. All ranks must agree, since the answer decides which groups they build."""
+    if device.type != "cpu":  # the same device type on every rank: no one asks
+        return False
+    usable = torch.tensor([int(host_memory_usable(device) is None)])
+    dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=groups.world)
+    return bool(usable.item())
 
 
 def _takes_bucket(reducer: object) -> bool:

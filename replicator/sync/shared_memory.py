@@ -1,4 +1,4 @@
-"""SharedMemorySum: a lossless sum over replicas on one node through /dev/shm instead of sockets."""
+"""SharedMemorySum: a lossless sum over replicas through /dev/shm inside each node, sockets only across nodes."""
 
 from __future__ import annotations
 
@@ -10,21 +10,29 @@ import stat
 import torch
 import torch.distributed as dist
 
-from replicator.sync.hierarchical import processes_per_node, replicas_per_node
+from replicator.sync.hierarchical import DEFAULT_CHUNK_BYTES, level_groups, processes_per_node, replicas_per_node
 from replicator.sync.summation import create_groups, replica_partition
 from replicator.topology import ProcessGroups
 
-__all__ = ["SharedMemorySum", "shared_memory_usable", "SHARED_MEMORY_DIR"]
+__all__ = ["SharedMemorySum", "shared_memory_usable", "host_memory_usable", "SHARED_MEMORY_DIR"]
 
 SHARED_MEMORY_DIR = "/dev/shm"
 
 
-def shared_memory_usable(groups: ProcessGroups, device: torch.device) -> str | None:
-    """None when every stage's replicas can sum through shared memory; else the reason they cannot."""
+def host_memory_usable(device: torch.device) -> str | None:
+    """None when this process can share gradients through /dev/shm; else the reason it cannot."""
     if device.type != "cpu":
         return f"gradients live on {device}, not in host memory"
     if not os.path.isdir(SHARED_MEMORY_DIR) or not os.access(SHARED_MEMORY_DIR, os.W_OK):
         return f"{SHARED_MEMORY_DIR} is missing or not writable"
+    return None
+
+
+def shared_memory_usable(groups: ProcessGroups, device: torch.device) -> str | None:
+    """None when every stage's replicas can sum through shared memory alone; else the reason they cannot."""
+    refusal = host_memory_usable(device)
+    if refusal is not None:
+        return refusal
     partition = replica_partition(groups)
     try:
         per_node = replicas_per_node(partition[0], processes_per_node(groups))
@@ -58,7 +66,9 @@ class _Segment:
 
 
 class SharedMemorySum:
-    """Sums a tensor in place over the replicas of this stage, all on one node, through /dev/shm.
+    """Sums a tensor in place over the replicas of this stage through /dev/shm: over all of
+    them when they share one node; with `per_node`, over each node's, with one all-reduce
+    across nodes in the middle (the two-level hierarchy of PowerAI DDL, shared memory inside).
 
     Each replica's tensor is its own row of a shared mapping: a bucket allocated through
     `allocate` already is one, anything else is copied into a staging row first. After a barrier,
@@ -70,18 +80,35 @@ class SharedMemorySum:
     The barriers are tiny Gloo messages on the reducer's own group, so a missing replica
     still ends in a timeout, not a hang. Each slice is summed by one replica and read by
     all, so every replica ends with identical bits.
+
+    Across nodes, local replica i's summed slice is all-reduced with the replicas holding
+    slice i on the other nodes, all local replicas in parallel: each sends 1/L of the buffer
+    over the network instead of a flat ring's whole. It goes in chunks of `chunk_bytes`, with
+    a node barrier per chunk before its copy out, so that the additions and the copies hide
+    under the trips of other chunks across the network.
     """
 
-    name = "shm"
-
-    def __init__(self, groups: ProcessGroups, timeout_s: float) -> None:
-        self.size = len(groups.replica_ranks)
-        self.position = groups.replica_ranks.index(dist.get_rank())
-        self.group = create_groups(replica_partition(groups), timeout_s)
-        stage = groups.stage_ranks.index(dist.get_rank())
-        # A name nobody can guess, agreed on by the stage's replicas: the first one draws it.
+    def __init__(self, groups: ProcessGroups, timeout_s: float, per_node: int | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.chunk_bytes = chunk_bytes
+        partition = replica_partition(groups)
+        self.size = len(partition[0])
+        per_node = self.size if per_node is None else per_node
+        levels = (per_node, self.size // per_node)
+        self.name = "shm" if levels[1] == 1 else f"hierarchical:{per_node}x{levels[1]}"
+        node_groups = [ranks for members in partition for ranks in level_groups(members, levels, 0)]
+        me = dist.get_rank()
+        neighbours = next(ranks for ranks in node_groups if me in ranks)
+        self.local_size, self.position = per_node, neighbours.index(me)
+        self.group = create_groups(node_groups, timeout_s)
+        self.across = None
+        if levels[1] > 1:
+            self.across = create_groups([ranks for members in partition for ranks in level_groups(members, levels, 1)],
+                                        timeout_s)
+        stage = groups.stage_ranks.index(me)
+        # A name nobody can guess, agreed on by the node's replicas of this stage: the first one draws it.
         token = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
-        dist.broadcast(token, src=groups.replica_ranks[0], group=self.group)
+        dist.broadcast(token, src=neighbours[0], group=self.group)
         self.path_prefix = os.path.join(SHARED_MEMORY_DIR, f"replicator-{int(token):x}-stage{stage}")
         self._staging: dict[tuple[int, torch.dtype], _Segment] = {}
         self._owned: dict[int, _Segment] = {}  # allocated buckets, by their row's address
@@ -95,7 +122,7 @@ class SharedMemorySum:
             return None
         # Every replica allocates the same buckets in the same order, so the names agree.
         path = f"{self.path_prefix}-bucket{len(self._owned)}"
-        segment = _Segment(path, self.size, numel, dtype)
+        segment = _Segment(path, self.local_size, numel, dtype)
         self._unnamed.append(path)
         row = segment.rows[self.position]
         self._owned[row.data_ptr()] = segment
@@ -116,7 +143,7 @@ class SharedMemorySum:
         key = (numel, dtype)
         if key not in self._staging:
             path = f"{self.path_prefix}-staging{len(self._staging)}"
-            self._staging[key] = _Segment(path, self.size, numel, dtype)
+            self._staging[key] = _Segment(path, self.local_size, numel, dtype)
             self._unnamed.append(path)
             self.settle()
         return self._staging[key]
@@ -129,10 +156,50 @@ class SharedMemorySum:
             return  # every replica holds the same nothing; mmap cannot map zero bytes
         segment = self._owned.get(flat.data_ptr())
         if segment is None or segment.rows.shape[1] != flat.numel():  # not an allocated bucket: stage it
-            segment = self._staging_segment(flat.numel(), flat.dtype)
+            segment, staged = self._staging_segment(flat.numel(), flat.dtype), True
+        else:
+            staged = False
+        bounds = [flat.numel() * k // self.local_size for k in range(self.local_size + 1)]
+        if self.across is not None:
+            self._sum_across_nodes(flat, segment, bounds, staged)
+            return
+        if staged:
             segment.rows[self.position].copy_(flat)
-        mine = slice(flat.numel() * self.position // self.size, flat.numel() * (self.position + 1) // self.size)
+        mine = slice(bounds[self.position], bounds[self.position + 1])
         dist.barrier(group=self.group)
         torch.sum(segment.rows[:, mine], dim=0, out=segment.result[mine])
         dist.barrier(group=self.group)
         flat.copy_(segment.result)
+
+    def _sum_across_nodes(self, flat: torch.Tensor, segment: _Segment, bounds: list[int], staged: bool) -> None:
+        """Sum this node's slice chunk by chunk, all-reducing each chunk with the other nodes'
+        replicas of the same slice (whose bounds are the same on every node), and copy out
+        chunk k of every slice once a node barrier says all of them came back, while later
+        chunks are still crossing. A staged tensor is also copied in chunk by chunk, a barrier
+        each, so the first chunk leaves before the last is copied. Every local replica takes as
+        many barriers as the longest slice has chunks, so uneven slices keep them matched."""
+        step = max(1, self.chunk_bytes // segment.result.element_size())
+        chunks = -(-max(b - a for a, b in zip(bounds, bounds[1:])) // step)
+
+        def chunk(owner: int, k: int) -> slice:
+            return slice(min(bounds[owner] + k * step, bounds[owner + 1]), min(bounds[owner] + (k + 1) * step, bounds[owner + 1]))
+
+        if not staged:
+            dist.barrier(group=self.group)
+        crossing = []
+        for k in range(chunks):
+            if staged:
+                for owner in range(self.local_size):
+                    segment.rows[self.position, chunk(owner, k)] = flat[chunk(owner, k)]
+                dist.barrier(group=self.group)
+            mine = chunk(self.position, k)
+            torch.sum(segment.rows[:, mine], dim=0, out=segment.result[mine])
+            empty = mine.stop == mine.start
+            crossing.append(None if empty else dist.all_reduce(segment.result[mine], op=dist.ReduceOp.SUM,
+                                                               group=self.across, async_op=True))
+        for k, handle in enumerate(crossing):
+            if handle is not None:
+                handle.wait()
+            dist.barrier(group=self.group)
+            for owner in range(self.local_size):
+                flat[chunk(owner, k)] = segment.result[chunk(owner, k)]
