@@ -63,7 +63,10 @@ def _on_cluster() -> dict[str, Any]:
         buffers = [integers.clone(), floats.clone()]
         for pending in [reducer.reduce(b, groups.replica) for b in buffers]:
             pending.wait()
-        results[spec] = (reducer.name, buffers)
+        summation = getattr(reducer, "summation", None)
+        # Who shares this process's /dev/shm rows: must be its own namespace's processes only.
+        sharing = dist.get_process_group_ranks(summation.group) if hasattr(summation, "path_prefix") else None
+        results[spec] = (reducer.name, buffers, sharing)
         getattr(reducer, "close", lambda: None)()
     out["sums"] = results
 
@@ -113,13 +116,16 @@ def test_every_rank_finds_its_node(cluster_results: tuple[list[dict[str, Any]], 
 def test_hierarchical_equals_flat_on_the_cluster(cluster_results: tuple[list[dict[str, Any]], SimulatedCluster]) -> None:
     results, _ = cluster_results
     assert results[0]["sums"]["hierarchical"][0] == "hierarchical:2x2"
-    # The nodes share /dev/shm, but "auto" must read the topology: two nodes, so no shared-memory sum.
+    # The nodes share /dev/shm, but "auto" must read the topology: two nodes, so shared memory only inside each.
     assert results[0]["sums"]["auto"][0] == "hierarchical:2x2"
+    for rank, result in enumerate(results):
+        for spec in ("hierarchical", "auto"):
+            assert result["sums"][spec][2] == result["intra_members"], f"rank {rank}: {spec} shares memory beyond its node"
     expected_integers = sum(torch.randint(-1000, 1000, (ODD_LENGTH,), generator=torch.Generator().manual_seed(r)).float()
                             for r in range(4))
     for rank, result in enumerate(results):
-        _, (flat_integers, flat_floats) = result["sums"]["flat"]
-        _, (hier_integers, hier_floats) = result["sums"]["hierarchical"]
+        _, (flat_integers, flat_floats), _ = result["sums"]["flat"]
+        _, (hier_integers, hier_floats), _ = result["sums"]["hierarchical"]
         assert torch.equal(flat_integers, expected_integers), f"rank {rank}: flat sum is wrong"
         assert torch.equal(hier_integers, flat_integers), f"rank {rank}: hierarchical differs from flat on integers"
         assert torch.equal(result["sums"]["auto"][1][0], flat_integers), f"rank {rank}: auto differs from flat on integers"
