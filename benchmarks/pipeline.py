@@ -68,6 +68,7 @@ class Config:
     distinct_batches: int = 4
     lr: float = 0.01
     seed: int = 0
+    split: tuple[int, ...] | None = None  # layers per stage; None: half the blocks each, the head on the last
 
     @property
     def batch(self) -> int:
@@ -75,6 +76,8 @@ class Config:
 
     @property
     def balance(self) -> list[int]:
+        if self.split is not None:
+            return list(self.split)
         return [self.blocks // 2, self.blocks - self.blocks // 2 + 1]
 
 
@@ -506,12 +509,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=Config.warmup, help="untimed steps before each timed phase")
     parser.add_argument("--microbatch", type=int, default=Config.microbatch, help="samples per micro-batch")
     parser.add_argument("--width", type=int, default=Config.width, help="MLP width")
+    parser.add_argument("--balance", default=None,
+                        help="layers per stage, e.g. 9,8 (16 blocks + head = 17 layers; default: 8,9); "
+                             "every contender gets the same split")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write every figure to this JSON file")
     options = parser.parse_args(argv)
     if options.repeats < 1 or options.steps < 1 or options.warmup < 0 or options.microbatch < 1:
         parser.error("--repeats, --steps and --microbatch must be positive and --warmup non-negative")
+    split = None
+    if options.balance is not None:
+        split = tuple(int(count) for count in options.balance.split(","))
+        if len(split) != STAGES or min(split) < 1 or sum(split) != Config.blocks + 1:
+            parser.error(f"--balance needs {STAGES} positive layer counts summing to {Config.blocks + 1}, got {options.balance}")
     config = Config(repeats=options.repeats, steps=options.steps, warmup=options.warmup,
-                    microbatch=options.microbatch, width=options.width)
+                    microbatch=options.microbatch, width=options.width, split=split)
     parameters = sum(p.numel() for p in nn.Sequential(*make_layers(config)).parameters())
     print(
         f"replicator {rp.__version__}, torch {torch.__version__}, {os.cpu_count()} CPU cores, "
