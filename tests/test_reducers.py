@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import glob
 import math
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
@@ -14,9 +16,10 @@ import torch.nn.functional as F
 import replicator as rp
 from replicator.sync.bucket import Bucket, assign_buckets
 from replicator.sync.compression import CastReducer
+from replicator.sync import shared_memory
 from replicator.sync.hierarchical import HierarchicalSum, level_groups, plan_levels, replicas_per_node
-from replicator.sync.shared_memory import SharedMemorySum
 from replicator.sync.reducers import FlatReducer, make_reducer, parse_reducer
+from replicator.sync.shared_memory import SharedMemorySum
 from replicator.sync.worker import SummationReducer
 from replicator.testing import run_replicas
 from replicator.topology import build_process_groups, discover
@@ -346,6 +349,26 @@ def test_hierarchical_equals_flat_on_two_nodes_of_two(two_by_two: list[dict[str,
     assert summations == {"hierarchical": "SharedMemorySum", "auto": "SharedMemorySum", "multilevel:2x1x2": "HierarchicalSum",
                           "hierarchical:1x2x2": "HierarchicalSum", "chunked": "HierarchicalSum",
                           "shm chunked": "SharedMemorySum"}
+
+
+def _own_shared_memory_each() -> str | None:
+    groups = build_process_groups(discover())
+    # As in separate containers: each process's /dev/shm is its own, though the topology says one node.
+    shared_memory.SHARED_MEMORY_DIR = tempfile.mkdtemp(prefix=f"replicator-test-shm-{dist.get_rank()}-")
+    try:
+        make_reducer("shm", groups)
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        shutil.rmtree(shared_memory.SHARED_MEMORY_DIR)
+    return None
+
+
+def test_shared_memory_that_is_not_shared_fails_on_every_replica() -> None:
+    errors = run_replicas(_own_shared_memory_each, 2, timeout_s=60)
+    for rank, error in enumerate(errors):
+        assert error is not None, f"rank {rank} would have summed without its peer's gradients"
+        assert "do not share" in error and "reducer='flat'" in error, error
 
 
 def test_shared_memory_equals_flat_on_one_node(one_by_three: list[dict[str, Any]]) -> None:

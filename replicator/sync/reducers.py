@@ -157,7 +157,13 @@ def make_reducer(spec: "str | Reducer", groups: ProcessGroups | None = None, *, 
 
 
 def _build(spec: str, parsed: ReducerSpec, groups: ProcessGroups, timeout_s: float, device: torch.device) -> Reducer:
-    shared_memory_refusal = shared_memory_usable(groups, device)
+    # Whether /dev/shm can carry gradients decides which groups get built, so every rank must
+    # reach the same answer: agreed on once, and only where shared memory could be chosen.
+    host_memory = parsed.topology != "flat" and _every_process_shares_host_memory(groups, device)
+    if host_memory:
+        shared_memory_refusal = shared_memory_usable(groups, device)
+    else:
+        shared_memory_refusal = host_memory_usable(device) or "another process of the job cannot use /dev/shm"
     if parsed.topology == "shm":
         if shared_memory_refusal is not None:
             raise ValueError(f"reducer 'shm' cannot be used here: {shared_memory_refusal}; use 'flat' or 'auto'")
@@ -179,28 +185,29 @@ def _build(spec: str, parsed: ReducerSpec, groups: ProcessGroups, timeout_s: flo
         else:
             levels = plan_levels(partition, processes_per_node(groups), parsed.levels, spec)
     if parsed.compressor is None:
-        return FlatReducer() if levels is None else SummationReducer(_hierarchy(groups, levels, timeout_s, device))
-    summation: Summation = FlatSum(groups, timeout_s) if levels is None else _hierarchy(groups, levels, timeout_s, device)
+        return FlatReducer() if levels is None else SummationReducer(_hierarchy(groups, levels, timeout_s, host_memory))
+    summation: Summation = FlatSum(groups, timeout_s) if levels is None else _hierarchy(groups, levels, timeout_s, host_memory)
     if parsed.compressor == "powersgd":
         return PowerSGDReducer(summation, parsed.rank, error_feedback=parsed.error_feedback)
     return CastReducer(summation, parsed.compressor, error_feedback=parsed.error_feedback)
 
 
-def _hierarchy(groups: ProcessGroups, levels: tuple[int, ...], timeout_s: float, device: torch.device) -> Summation:
-    """A hierarchical sum; when its inner level is exactly the node and gradients are in host
-    memory, that level goes through shared memory instead of socket rings."""
+def _hierarchy(groups: ProcessGroups, levels: tuple[int, ...], timeout_s: float, host_memory: bool) -> Summation:
+    """A hierarchical sum; when it has two levels, the inner one exactly the node's replicas and
+    the outer one several nodes, and gradients are in host memory, the node's level goes
+    through shared memory instead of socket rings."""
     per_node = replicas_per_node(replica_partition(groups)[0], processes_per_node(groups))
-    if len(levels) == 2 and levels[0] == per_node > 1 and _every_process_shares_host_memory(groups, device):
+    if host_memory and len(levels) == 2 and levels[0] == per_node > 1 and levels[1] > 1:
         return SharedMemorySum(groups, timeout_s, per_node=per_node)
     return HierarchicalSum(groups, levels, timeout_s)
 
 
 def _every_process_shares_host_memory(groups: ProcessGroups, device: torch.device) -> bool:
-    """Whether /dev/shm works on every node. All ranks must agree, since the answer decides which groups they build."""
+    """Whether every process can use /dev/shm for host gradients, agreed by all (on the Gloo control group)."""
     if device.type != "cpu":  # the same device type on every rank: no one asks
         return False
     usable = torch.tensor([int(host_memory_usable(device) is None)])
-    dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=groups.world)
+    dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=groups.control)
     return bool(usable.item())
 
 

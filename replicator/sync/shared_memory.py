@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import secrets
@@ -43,6 +44,23 @@ def shared_memory_usable(groups: ProcessGroups, device: torch.device) -> str | N
     return None
 
 
+def _reserve(descriptor: int, size: int, path: str) -> None:
+    """Take the segment's pages now: a full /dev/shm then says so here, instead of killing the
+    process with SIGBUS at the first write into a page it could not get."""
+    try:
+        os.posix_fallocate(descriptor, 0, size)
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            return  # a filesystem that cannot reserve ahead: pages come at first touch, as before
+        free = os.statvfs(os.path.dirname(path))
+        raise OSError(
+            errno.ENOSPC,
+            f"{os.path.dirname(path)} has no room for {size / 2**20:.1f} MiB of gradient buckets "
+            f"({free.f_bavail * free.f_frsize / 2**20:.1f} MiB free); give it more (for a container, "
+            "e.g. docker run --shm-size=2g) or use reducer='flat'",
+        ) from error
+
+
 class _Segment:
     """One mapping shared by the node's replicas: `replicas` rows of `numel` elements, row i
     being replica i's contribution, and one more row where each replica writes the slice it sums."""
@@ -58,6 +76,7 @@ class _Segment:
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
                 raise PermissionError(f"{path} is not a private file of this user; refusing to share gradients through it")
             os.ftruncate(descriptor, size)  # every replica asks for the same size: idempotent
+            _reserve(descriptor, size, path)
             self._mapping = mmap.mmap(descriptor, size)
         finally:
             os.close(descriptor)
@@ -83,7 +102,8 @@ class SharedMemorySum:
 
     Across nodes, local replica i's summed slice is all-reduced with the replicas holding
     slice i on the other nodes, all local replicas in parallel: each sends 1/L of the buffer
-    over the network instead of a flat ring's whole. It goes in chunks of `chunk_bytes`, with
+    over the network instead of a flat ring's whole. It goes in chunks of `chunk_bytes` of
+    that slice (HierarchicalSum counts its chunks in the whole buffer), with
     a node barrier per chunk before its copy out, so that the additions and the copies hide
     under the trips of other chunks across the network.
     """
@@ -110,9 +130,36 @@ class SharedMemorySum:
         token = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
         dist.broadcast(token, src=neighbours[0], group=self.group)
         self.path_prefix = os.path.join(SHARED_MEMORY_DIR, f"replicator-{int(token):x}-stage{stage}")
+        self._require_one_shared_memory(groups, neighbours, int(token))
         self._staging: dict[tuple[int, torch.dtype], _Segment] = {}
         self._owned: dict[int, _Segment] = {}  # allocated buckets, by their row's address
         self._unnamed: list[str] = []  # mapped here, perhaps not yet by every peer
+
+    def _require_one_shared_memory(self, groups: ProcessGroups, neighbours: list[int], token: int) -> None:
+        """Raise on every process unless the replicas the topology puts on one node also see one
+        /dev/shm (separate containers each have their own: summing there would silently miss peers)."""
+        probe = f"{self.path_prefix}-probe"
+        if self.position == 0:
+            descriptor = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(descriptor, "wb") as handle:
+                handle.write(token.to_bytes(8, "little"))
+        dist.barrier(group=self.group)
+        try:
+            with open(probe, "rb") as handle:
+                sees_it = handle.read() == token.to_bytes(8, "little")
+        except FileNotFoundError:
+            sees_it = False
+        everyone = torch.tensor([int(sees_it)])
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=groups.control)  # the whole job decides together
+        if self.position == 0:
+            os.unlink(probe)
+        if not everyone.item():
+            raise RuntimeError(
+                f"replicas that the topology places on one node do not share {SHARED_MEMORY_DIR} (this process, "
+                f"rank {dist.get_rank()} with node peers {neighbours}, {'does' if sees_it else 'does not'} see its "
+                "node's; separate containers or mount namespaces?), so gradients cannot be summed through shared "
+                "memory; use reducer='flat', or give the processes of a node one /dev/shm"
+            )
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """A zeroed buffer that is this replica's row of a new shared mapping, so summing it
