@@ -378,6 +378,9 @@ def bubbles(per_stage_steps: list[list[tuple[float, float, list[Event]]]], chunk
     step's measured per-stage forward and backward times and instant messages
     (schedule.timed_simulation): the part due to the schedule and unequal stages alone.
     "waiting to receive": the stage's time inside receive actions, as a share of the span.
+    "transfer ms when the receiver already waits": from the start of a send action to the end
+    of the matching receive, for the transfers whose receive began first, so that neither end
+    was busy computing: packing, Gloo and unpacking, the cost a faster transport could save.
     """
     out: dict[str, list[float]] = {}
     for steps in zip(*per_stage_steps, strict=True):
@@ -393,6 +396,10 @@ def bubbles(per_stage_steps: list[list[tuple[float, float, list[Event]]]], chunk
             out.setdefault(f"stage {stage} waiting to receive, of the span", []).append(waiting / span)
             forward.append(sum(e.end - e.start for e in stage_events if e.op == "forward") / chunks)
             backward.append(sum(e.end - e.start for e in stage_events if e.op == "backward") / chunks)
+        latencies = [receive.end - send.start for (_, _, sender), (_, _, receiver) in zip(steps, steps[1:])
+                     for send, receive in _matching_transfers(sender, receiver) if receive.start <= send.start]
+        if latencies:
+            out.setdefault("transfer ms when the receiver already waits", []).append(1e3 * statistics.median(latencies))
         out.setdefault("idle, mean of the stages, of the schedule span", []).append(
             statistics.mean(out[f"idle stage {s}, of the schedule span"][-1] for s in range(len(steps))))
         simulated = timed_simulation(gpipe(len(steps), chunks), forward_time=forward, backward_time=backward)
@@ -401,6 +408,19 @@ def bubbles(per_stage_steps: list[list[tuple[float, float, list[Event]]]], chunk
             out.setdefault(f"stage {stage} forward ms per micro-batch", []).append(1e3 * forward[stage])
             out.setdefault(f"stage {stage} backward ms per micro-batch", []).append(1e3 * backward[stage])
     return out
+
+
+def _matching_transfers(earlier: list[Event], later: list[Event]) -> list[tuple[Event, Event]]:
+    """(send, receive) pairs between neighbouring stages: activations down, gradients up."""
+    def by_microbatch(events: list[Event], op: str) -> dict[int, Event]:
+        return {e.microbatch: e for e in events if e.op == op}
+
+    pairs = []
+    for sender, receiver, sent, received in ((earlier, later, "send_activation", "recv_activation"),
+                                             (later, earlier, "send_gradient", "recv_gradient")):
+        receives = by_microbatch(receiver, received)
+        pairs += [(send, receives[m]) for m, send in by_microbatch(sender, sent).items() if m in receives]
+    return pairs
 
 
 def report(config: Config, results: list[dict[str, Any]], memory: dict[str, list[dict[str, float]]]
@@ -454,7 +474,7 @@ def report(config: Config, results: list[dict[str, Any]], memory: dict[str, list
     lines += ["", f"bubble (replicator, checkpoint=\"never\", {len(bubble['idle, mean of the stages, of the schedule span'])} "
               f"timed steps; medians), expected (K-1)/(M+K-1) = {expected:.1%}:"]
     for name, values in bubble.items():
-        shown = f"{statistics.median(values):.2f}" if name.endswith("micro-batch") else f"{statistics.median(values):.1%}"
+        shown = f"{statistics.median(values):.2f}" if "ms" in name.split() else f"{statistics.median(values):.1%}"
         lines.append(f"  {name}: {shown}")
     span_bubble = statistics.median(bubble["idle, mean of the stages, of the schedule span"])
     lines += [
