@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -12,7 +12,7 @@ import torch.distributed as dist
 from replicator.agreement import Agreement
 from replicator.errors import NonFiniteError, ReplicaMismatchError
 
-__all__ = ["NONFINITE_POLICIES", "fingerprint", "require_identical", "nonfinite_outputs", "finite_sum"]
+__all__ = ["NONFINITE_POLICIES", "fingerprint", "require_identical", "OutputCheck", "finite_sum"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
@@ -56,19 +56,60 @@ def require_identical(agreement: Agreement, named: list[tuple[str, torch.Tensor]
     raise ReplicaMismatchError("\n".join(lines))
 
 
-def nonfinite_outputs(output: Any, where: str = "output") -> list[str]:
-    """Where step_fn's output (tensors and numbers, nested in dicts, lists, tuples) is NaN or infinite."""
+def _numbers(output: Any, where: str = "output") -> Iterator[tuple[str, torch.Tensor | float]]:
+    """Each floating-point tensor and float in step_fn's output (nested in dicts, lists, tuples), with where it sits."""
     if isinstance(output, torch.Tensor):
         if output.is_floating_point() or output.is_complex():
-            return [] if bool(torch.isfinite(output.detach()).all()) else [where]
-        return []
-    if isinstance(output, float):
-        return [] if math.isfinite(output) else [where]
-    if isinstance(output, dict):
-        return [spot for key, value in output.items() for spot in nonfinite_outputs(value, f"{where}[{key!r}]")]
-    if isinstance(output, (list, tuple)):
-        return [spot for index, value in enumerate(output) for spot in nonfinite_outputs(value, f"{where}[{index}]")]
-    return []
+            yield where, output.detach()
+    elif isinstance(output, float):
+        yield where, output
+    elif isinstance(output, dict):
+        for key, value in output.items():
+            yield from _numbers(value, f"{where}[{key!r}]")
+    elif isinstance(output, (list, tuple)):
+        for index, value in enumerate(output):
+            yield from _numbers(value, f"{where}[{index}]")
+
+
+class OutputCheck:
+    """Where one step's output is NaN or infinite, found without stalling the host behind a GPU.
+
+    Host values are judged at once. A tensor on a CUDA device gets a flag computed there and
+    copied into pinned host memory behind the step's own work, so `locations()` waits only
+    for that copy: asked a step later, it no longer waits at all, and the host keeps queuing
+    work ahead of the device as it would without the check.
+    """
+
+    def __init__(self, output: Any, step: int) -> None:
+        self.step = step
+        self._spots: list[str] = []
+        self._on_device: list[tuple[str, torch.Tensor]] = []  # (where, pinned flag)
+        self._copied: list[Any] = []  # a CUDA event after each flag's copy
+        for where, value in _numbers(output):
+            if isinstance(value, float):
+                if not math.isfinite(value):
+                    self._spots.append(where)
+            elif value.device.type == "cuda":
+                flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+                flag.copy_(torch.isfinite(value).all(), non_blocking=True)
+                self._on_device.append((where, flag))
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(value.device))
+                self._copied.append(event)
+            elif not bool(torch.isfinite(value).all()):
+                self._spots.append(where)
+
+    @property
+    def waits_for_a_device(self) -> bool:
+        return bool(self._copied)
+
+    def locations(self) -> list[str]:
+        for event in self._copied:
+            event.synchronize()
+        self._copied.clear()
+        self._spots += [where for where, flag in self._on_device if not bool(flag)]
+        self._on_device.clear()
+        return self._spots
 
 
 def finite_sum(tensors: Iterable[torch.Tensor]) -> bool:

@@ -7,6 +7,7 @@ import contextlib
 import os
 import time
 import types
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
@@ -18,7 +19,7 @@ from torch.nn.modules import module as module_hooks
 from replicator.agreement import Agreement, PendingAgreement
 from replicator.context import InputContext, ReplicaContext, set_active_context
 from replicator.errors import ReplicaMismatchError, ReplicatorUsageError
-from replicator.health import NONFINITE_POLICIES, NonFiniteError, nonfinite_outputs, require_identical
+from replicator.health import NONFINITE_POLICIES, NonFiniteError, OutputCheck, require_identical
 from replicator.inputs import ReplicatedInput, batch_size_of
 from replicator.sync.reducers import Reducer, make_reducer
 from replicator.sync.synchronizer import GradientSynchronizer
@@ -398,7 +399,8 @@ class Replicator:
         iterator = self._start_input(inputs)
         step = self.global_step
         ended_early: list[int] = []
-        nonfinite: list[str] = []  # where the last step's output was NaN or infinite
+        checks: deque[OutputCheck] = deque()  # outputs not yet judged finite, oldest first
+        judged: OutputCheck | None = None  # the one the latest announcement carries
         try:
             batch, has_batch, waited = _next_batch(iterator)
             times.input_seconds += waited
@@ -406,7 +408,7 @@ class Replicator:
             while steps is None or step < steps:
                 started = time.perf_counter()
                 if pending is not None:
-                    if self._must_stop(step, pending, has_batch, ended_early, nonfinite):
+                    if self._must_stop(step, pending, has_batch, ended_early, judged):
                         break
                 elif not has_batch:
                     break
@@ -415,7 +417,11 @@ class Replicator:
                 times.add_communication(time.perf_counter() - started)
                 output = step_fn(self.context, batch)
                 _check_output(output)
-                nonfinite = [] if self.nonfinite == "ignore" else nonfinite_outputs(output)
+                if self.nonfinite == "raise":
+                    checks.append(OutputCheck(output, step))
+                # An output still on its way from a GPU is judged a step later, so that the host
+                # need not wait for the device before queuing the next step.
+                judged = checks.popleft() if len(checks) > 1 or (checks and not checks[0].waits_for_a_device) else None
                 times.step_seconds += time.perf_counter() - started
                 times.finish_step(size * self.num_replicas)
                 bar.update(step + 1, size * self.num_replicas, output)
@@ -427,11 +433,16 @@ class Replicator:
                     self.save(step_path(checkpoint_dir, self.global_step), keep=keep)  # type: ignore[arg-type]
                 batch, has_batch, waited = _next_batch(iterator)
                 times.input_seconds += waited
-                pending = self._announce_step(step + 1, batch, has_batch, steps, nonfinite)
+                pending = self._announce_step(step + 1, batch, has_batch, steps, judged)
                 yield step, output
                 step += 1
             if pending is not None:  # the last step's outputs are still to be judged
-                self._judge_outputs(step, pending.wait(), nonfinite)
+                self._judge_outputs(pending.wait(), judged)
+            while checks:  # outputs that were still on a GPU: one more agreement each
+                judged = checks.popleft()
+                last = self._announce_step(step, None, False, step, judged)
+                if last is not None:
+                    self._judge_outputs(last.wait(), judged)
         finally:
             bar.close()
         self._summarize(times, show, ended_early, step)
@@ -464,31 +475,34 @@ class Replicator:
         return {"epoch": 0, "batches": batches}
 
     def _announce_step(self, step: int, batch: Any, has_batch: bool, steps: int | None,
-                       nonfinite: list[str] | None) -> PendingAgreement | None:
+                       judged: OutputCheck | None) -> PendingAgreement | None:
         """Start agreeing on the next step (has a batch? of what size?) while the caller works.
 
-        The announcement also carries whether the previous step's output was finite, so
+        The announcement also carries whether the `judged` step's output was finite, so
         that every replica learns of a NaN anywhere at no extra cost. Past the last step it
-        is still made when there is a previous step to judge (`nonfinite` is not None).
+        is still made when there is an output to judge.
         """
+        nonfinite = judged.locations() if judged is not None else []
         if self.num_replicas == 1:
-            if nonfinite and self.nonfinite == "raise":
-                raise NonFiniteError(self._nonfinite_message(step - 1, {0: nonfinite}))
+            if nonfinite:
+                raise NonFiniteError(self._nonfinite_message(judged.step, {0: nonfinite}))  # type: ignore[union-attr]
             return None
-        if steps is not None and step >= steps and (nonfinite is None or self.nonfinite == "ignore"):
+        if steps is not None and step >= steps and judged is None:
             return None
         size = batch_size_of(batch) if has_batch else 0
         return self.agreement.start(f"step {step}", "", [int(has_batch), size, int(bool(nonfinite))])
 
-    def _judge_outputs(self, step: int, verdict: Any, nonfinite: list[str]) -> None:
-        """Raise on every replica if any replica's output of `step - 1` was NaN or infinite."""
-        if verdict.maxima[2] == 0 or self.nonfinite != "raise":
+    def _judge_outputs(self, verdict: Any, judged: OutputCheck | None) -> None:
+        """Raise on every replica if any replica's `judged` output was NaN or infinite."""
+        if verdict.maxima[2] == 0:
             return
-        intents = self.agreement.exchange("non-finite outputs", "", [float(bool(nonfinite))])
+        nonfinite = judged.locations() if judged is not None else []
+        step = judged.step if judged is not None else -1
+        intents = self.agreement.exchange("non-finite outputs", "", [float(bool(nonfinite)), float(step)])
         culprits = {i.replica: ["(see that replica's error)"] for i in intents if i.values[0]}
         if nonfinite:
             culprits[self.replica_id] = nonfinite
-        raise NonFiniteError(self._nonfinite_message(step - 1, culprits))
+        raise NonFiniteError(self._nonfinite_message(int(max(i.values[1] for i in intents)), culprits))
 
     def _nonfinite_message(self, step: int, culprits: dict[int, list[str]]) -> str:
         listing = "; ".join(f"replica {replica}: {', '.join(spots)}" for replica, spots in sorted(culprits.items()))
@@ -513,10 +527,10 @@ class Replicator:
         self._checked_identical = True
 
     def _must_stop(self, step: int, pending: PendingAgreement, has_batch: bool, ended_early: list[int],
-                   nonfinite: list[str]) -> bool:
+                   judged: OutputCheck | None) -> bool:
         """True when some replica has no batch for this step; raises on unequal batch sizes."""
         verdict = pending.wait()
-        self._judge_outputs(step, verdict, nonfinite)
+        self._judge_outputs(verdict, judged)
         (has_max, size_max, _), (has_min, size_min, _) = verdict.maxima, verdict.minima
         if has_min == 0:
             if has_max == 1:  # some replicas still had data: say who ran out

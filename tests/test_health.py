@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import replicator as rp
+from replicator import health
 from replicator.testing import ReplicaFailure, run_replicas
 
 STEPS = 4
@@ -22,16 +23,18 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(STEPS, 8, 5, generator=generator), torch.randn(STEPS, 8, 2, generator=generator)
 
 
-def _poisoned(step: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global batch `step`, this replica's rows; the last row of the global batch is NaN at BAD_STEP."""
+def _poisoned(step: int, rows: slice, bad: int = BAD_STEP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global batch `step`, this replica's rows; the last row of the global batch is NaN at step `bad`."""
     x, y = _data()
     batch = x[step].clone()
-    if step == BAD_STEP:
+    if step == bad:
         batch[-1, 0] = float("nan")
     return batch[rows], y[step][rows]
 
 
-def _train(nonfinite: str) -> dict[str, Any]:
+def _train(nonfinite: str, bad: int = BAD_STEP, as_if_on_a_gpu: bool = False, ran: list[int] | None = None) -> dict[str, Any]:
+    if as_if_on_a_gpu:  # every output judged a step late, as outputs still on their way from a GPU are
+        health.OutputCheck.waits_for_a_device = property(lambda self: True)  # type: ignore[assignment]
     repl = rp.Replicator(nonfinite=nonfinite)
     with repl.scope():
         torch.manual_seed(repl.replica_id)  # scope() makes them equal anyway
@@ -41,7 +44,9 @@ def _train(nonfinite: str) -> dict[str, Any]:
     rows = slice(repl.replica_id * share, (repl.replica_id + 1) * share)
 
     def step_fn(ctx: rp.ReplicaContext, step: int) -> torch.Tensor:
-        x, y = _poisoned(step, rows)
+        if ran is not None:
+            ran.append(step)
+        x, y = _poisoned(step, rows, bad)
         loss = F.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()
@@ -79,6 +84,24 @@ def test_a_nan_loss_raises_on_every_replica_naming_the_replica_and_step() -> Non
     for error in errors:
         assert error.kind == "NonFiniteError", error
         assert f"at step {BAD_STEP} on replica(s) [1]" in error.message, error.message  # the NaN row is replica 1's
+
+
+@pytest.mark.parametrize("bad", [BAD_STEP, STEPS - 1])
+def test_an_output_judged_a_step_late_still_raises_on_every_replica_naming_its_step(
+        bad: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ReplicaFailure) as caught:
+        run_replicas(_train, 2, "raise", bad, True, **FAST)
+    errors = caught.value.errors
+    assert [e.rank for e in errors] == [0, 1]
+    for error in errors:
+        assert error.kind == "NonFiniteError", error
+        assert f"at step {bad} on replica(s) [1]" in error.message, error.message
+    # One replica: the step after the bad one runs (the host did not wait), then the error comes.
+    monkeypatch.setattr(health.OutputCheck, "waits_for_a_device", property(lambda self: True))
+    ran: list[int] = []
+    with pytest.raises(rp.NonFiniteError, match=f"at step {bad} on replica"):
+        _train("raise", bad, ran=ran)
+    assert ran == list(range(min(bad + 2, STEPS)))
 
 
 def test_skip_drops_the_update_on_every_replica_like_one_process_would() -> None:
