@@ -412,33 +412,38 @@ class Replicator:
                         break
                 elif not has_batch:
                     break
+                agreed = time.perf_counter() - started
+                times.add_communication(agreed)
                 size = batch_size_of(batch)
                 self.context.step = step
-                times.add_communication(time.perf_counter() - started)
+                # Announce the next step before running this one: the agreement then travels
+                # while this step computes, instead of adding a round trip between steps.
+                upcoming, has_upcoming, waited = ((None, False, 0.0) if steps is not None and step + 1 >= steps
+                                                  else _next_batch(iterator))
+                times.input_seconds += waited
+                # The announcement judges an earlier step's output: the last one, or the one before
+                # while the last is still on its way from a GPU (the host then never waits for it).
+                judged = checks.popleft() if len(checks) > 1 or (checks and not checks[0].waits_for_a_device) else None
+                pending = self._announce_step(step + 1, upcoming, has_upcoming, steps, judged)
+                computing = time.perf_counter()
                 output = step_fn(self.context, batch)
                 _check_output(output)
                 if self.nonfinite == "raise":
                     checks.append(OutputCheck(output, step))
-                # An output still on its way from a GPU is judged a step later, so that the host
-                # need not wait for the device before queuing the next step.
-                judged = checks.popleft() if len(checks) > 1 or (checks and not checks[0].waits_for_a_device) else None
-                times.step_seconds += time.perf_counter() - started
+                times.step_seconds += agreed + time.perf_counter() - computing
                 times.finish_step(size * self.num_replicas)
                 bar.update(step + 1, size * self.num_replicas, output)
                 self.global_step = step + 1
                 if checkpoint_every and self.global_step % checkpoint_every == 0:
                     from replicator.checkpoint import step_path
 
-                    # Before the next step's agreement starts: both talk on the control group.
                     self.save(step_path(checkpoint_dir, self.global_step), keep=keep)  # type: ignore[arg-type]
-                batch, has_batch, waited = _next_batch(iterator)
-                times.input_seconds += waited
-                pending = self._announce_step(step + 1, batch, has_batch, steps, judged)
+                batch, has_batch = upcoming, has_upcoming
                 yield step, output
                 step += 1
             if pending is not None:  # the last step's outputs are still to be judged
                 self._judge_outputs(pending.wait(), judged)
-            while checks:  # outputs that were still on a GPU: one more agreement each
+            while checks:  # outputs not judged yet: one more agreement each
                 judged = checks.popleft()
                 last = self._announce_step(step, None, False, step, judged)
                 if last is not None:
@@ -478,9 +483,9 @@ class Replicator:
                        judged: OutputCheck | None) -> PendingAgreement | None:
         """Start agreeing on the next step (has a batch? of what size?) while the caller works.
 
-        The announcement also carries whether the `judged` step's output was finite, so
-        that every replica learns of a NaN anywhere at no extra cost. Past the last step it
-        is still made when there is an output to judge.
+        The announcement also carries whether the `judged` step's output (an earlier one)
+        was finite, so that every replica learns of a NaN anywhere at no extra cost. Past the
+        last step it is still made when there is an output to judge.
         """
         nonfinite = judged.locations() if judged is not None else []
         if self.num_replicas == 1:
