@@ -489,8 +489,8 @@ class Replicator:
         """
         nonfinite = judged.locations() if judged is not None else []
         if self.num_replicas == 1:
-            if nonfinite:
-                raise NonFiniteError(self._nonfinite_message(judged.step, {0: nonfinite}))  # type: ignore[union-attr]
+            if judged is not None and nonfinite:
+                raise NonFiniteError(self._nonfinite_message(judged.step, {0: nonfinite}))
             return None
         if steps is not None and step >= steps and judged is None:
             return None
