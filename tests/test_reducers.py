@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import math
 import shutil
 import tempfile
 from typing import Any
