@@ -62,11 +62,10 @@ def _reserve(descriptor: int, size: int, path: str) -> None:
 
 
 class _Segment:
-    """One mapping shared by the node's replicas: `replicas` rows of `numel` elements, row i
-    being replica i's contribution, and one more row where each replica writes the slice it sums."""
+    """One mapping shared by the node's replicas: `replicas` rows of `numel` elements, row i being replica i's tensor."""
 
     def __init__(self, path: str, replicas: int, numel: int, dtype: torch.dtype) -> None:
-        size = (replicas + 1) * numel * torch.empty((), dtype=dtype).element_size()
+        size = replicas * numel * torch.empty((), dtype=dtype).element_size()
         # 0600 and a random name: only this user's processes that were told the name can map it.
         # O_NOFOLLOW and the owner check: a name planted in the world-writable /dev/shm by someone
         # else (a symlink to one of our files, or a file they can read) is refused, not shared.
@@ -80,8 +79,7 @@ class _Segment:
             self._mapping = mmap.mmap(descriptor, size)
         finally:
             os.close(descriptor)
-        whole = torch.frombuffer(self._mapping, dtype=dtype).view(replicas + 1, numel)
-        self.rows, self.result = whole[:replicas], whole[replicas]
+        self.rows = torch.frombuffer(self._mapping, dtype=dtype).view(replicas, numel)
 
 
 class SharedMemorySum:
@@ -91,21 +89,21 @@ class SharedMemorySum:
 
     Each replica's tensor is its own row of a shared mapping: a bucket allocated through
     `allocate` already is one, anything else is copied into a staging row first. After a barrier,
-    replica i adds up slice i of every row into slice i of the result row (a reduce-scatter
-    with no sockets and no kernel copies); after a second barrier every replica copies the
-    whole result row out (the all-gather). No third barrier is needed: after the second,
-    nobody reads the contribution rows, and a replica rewrites its result slice only after
-    the next sum's first barrier, which no peer reaches before it finished copying out.
+    replica i adds slice i of every other row into slice i of its own, then writes that sum
+    into slice i of every other row (a reduce-scatter and an all-gather with no sockets, no
+    kernel copies and no copy out); after a second barrier each replica's row holds the whole
+    sum. No third barrier is needed: replica i touches another row only between the two
+    barriers of a sum, and its owner writes it again only after the second.
     The barriers are tiny Gloo messages on the reducer's own group, so a missing replica
-    still ends in a timeout, not a hang. Each slice is summed by one replica and read by
-    all, so every replica ends with identical bits.
+    still ends in a timeout, not a hang. Each slice is summed by one replica and written
+    to all, so every replica ends with identical bits.
 
     Across nodes, local replica i's summed slice is all-reduced with the replicas holding
     slice i on the other nodes, all local replicas in parallel: each sends 1/L of the buffer
     over the network instead of a flat ring's whole. It goes in chunks of `chunk_bytes` of
-    that slice (HierarchicalSum counts its chunks in the whole buffer), with
-    a node barrier per chunk before its copy out, so that the additions and the copies hide
-    under the trips of other chunks across the network.
+    that slice (HierarchicalSum counts its chunks in the whole buffer), each chunk written into
+    the peers' rows as soon as it comes back, so that the additions and the writes hide under
+    the trips of other chunks across the network; one node barrier at the end, as on one node.
     """
 
     def __init__(self, groups: ProcessGroups, timeout_s: float, per_node: int | None = None,
@@ -210,43 +208,67 @@ class SharedMemorySum:
         if self.across is not None:
             self._sum_across_nodes(flat, segment, bounds, staged)
             return
+        own = segment.rows[self.position]
         if staged:
-            segment.rows[self.position].copy_(flat)
+            own.copy_(flat)
         mine = slice(bounds[self.position], bounds[self.position + 1])
         dist.barrier(group=self.group)
-        torch.sum(segment.rows[:, mine], dim=0, out=segment.result[mine])
+        self._add_peers(segment, mine)
+        self._write_to_peers(segment, mine)
         dist.barrier(group=self.group)
-        flat.copy_(segment.result)
+        if staged:
+            flat.copy_(own)
+
+    # Between a sum's first and last barrier, slice i of every row is replica i's alone: it adds
+    # the peers' slices into its own row's, then writes the sum back into theirs. Each replica
+    # then finds the whole sum in its own row (a bucket's gradients already live there): the
+    # buffer is read once, where summing apart and copying out would read it twice.
+    def _add_peers(self, segment: _Segment, mine: slice) -> None:
+        summed = segment.rows[self.position, mine]
+        for peer in range(self.local_size):
+            if peer != self.position:
+                summed.add_(segment.rows[peer, mine])
+
+    def _write_to_peers(self, segment: _Segment, mine: slice) -> None:
+        for peer in range(self.local_size):
+            if peer != self.position:
+                segment.rows[peer, mine] = segment.rows[self.position, mine]
 
     def _sum_across_nodes(self, flat: torch.Tensor, segment: _Segment, bounds: list[int], staged: bool) -> None:
         """Sum this node's slice chunk by chunk, all-reducing each chunk with the other nodes'
-        replicas of the same slice (whose bounds are the same on every node), and copy out
-        chunk k of every slice once a node barrier says all of them came back, while later
-        chunks are still crossing. A staged tensor is also copied in chunk by chunk, a barrier
-        each, so the first chunk leaves before the last is copied. Every local replica takes as
-        many barriers as the longest slice has chunks, so uneven slices keep them matched."""
-        step = max(1, self.chunk_bytes // segment.result.element_size())
+        replicas of the same slice (whose bounds are the same on every node), and write each
+        chunk into the peers' rows as soon as it comes back, while later chunks are still
+        crossing. A staged tensor is also copied in and out chunk by chunk, a barrier each, so
+        the first chunk leaves before the last is copied in, and the last copy out is one
+        chunk's. Every local replica takes as many barriers as the longest slice has chunks, so
+        uneven slices keep them matched."""
+        step = max(1, self.chunk_bytes // segment.rows.element_size())
         chunks = -(-max(b - a for a, b in zip(bounds, bounds[1:])) // step)
 
         def chunk(owner: int, k: int) -> slice:
             return slice(min(bounds[owner] + k * step, bounds[owner + 1]), min(bounds[owner] + (k + 1) * step, bounds[owner + 1]))
 
+        own = segment.rows[self.position]
         if not staged:
             dist.barrier(group=self.group)
         crossing = []
         for k in range(chunks):
             if staged:
                 for owner in range(self.local_size):
-                    segment.rows[self.position, chunk(owner, k)] = flat[chunk(owner, k)]
+                    own[chunk(owner, k)] = flat[chunk(owner, k)]
                 dist.barrier(group=self.group)
             mine = chunk(self.position, k)
-            torch.sum(segment.rows[:, mine], dim=0, out=segment.result[mine])
+            self._add_peers(segment, mine)
             empty = mine.stop == mine.start
-            crossing.append(None if empty else dist.all_reduce(segment.result[mine], op=dist.ReduceOp.SUM,
-                                                               group=self.across, async_op=True))
+            crossing.append(None if empty else dist.all_reduce(own[mine], op=dist.ReduceOp.SUM, group=self.across,
+                                                               async_op=True))
         for k, handle in enumerate(crossing):
             if handle is not None:
                 handle.wait()
+            self._write_to_peers(segment, chunk(self.position, k))
+            if staged:  # copy out chunk k of every slice while later chunks still cross
+                dist.barrier(group=self.group)
+                for owner in range(self.local_size):
+                    flat[chunk(owner, k)] = own[chunk(owner, k)]
+        if not staged:
             dist.barrier(group=self.group)
-            for owner in range(self.local_size):
-                flat[chunk(owner, k)] = segment.result[chunk(owner, k)]
