@@ -450,6 +450,7 @@ class Replicator:
                     self._judge_outputs(last.wait(), judged)
         finally:
             bar.close()
+        self.sync_buffers()
         self._summarize(times, show, ended_early, step)
 
     def _start_input(self, inputs: Iterable[Any]) -> Iterator[Any]:
@@ -558,6 +559,22 @@ class Replicator:
             )
         return False
 
+    def sync_buffers(self) -> None:
+        """Average the buffers (BatchNorm running statistics) over this stage's replicas.
+
+        Each replica's BatchNorm tracks statistics of its own shard only. run() calls this when
+        it ends and save() before writing, so evaluation and checkpoints see one model; call it
+        yourself before evaluating in the middle of a run (every replica, at the same point).
+        Integer buffers take replica 0's values. CrossReplicaBatchNorm's are equal already.
+        """
+        from replicator.sync.buffers import average_buffers
+
+        average_buffers(self._trained_modules(), self.groups.replica, self.replica_agreement)
+
+    def _trained_modules(self) -> list[torch.nn.Module]:
+        """The modules built in scope(), or this process's pipeline stages."""
+        return [stage.module for stage in self._stages] if self._stages else list(self._modules)
+
     def _summarize(self, times: StepTimes, show: bool, ended_early: list[int], steps: int) -> None:
         summary = self.agreement.exchange("run summary", "", times.as_values())
         per_replica = [[float(v) for v in intent.values] for intent in summary]
@@ -590,6 +607,7 @@ class Replicator:
 
         if any(w.calls % self._accumulation for w in self._wrapped):
             raise ReplicatorUsageError("repl.save() was called in the middle of an accumulation; save between updates")
+        self.sync_buffers()
         return checkpoint.save(path, **self._checkpoint_objects(), step=self.global_step, input_state=self._input_state(),
                                extra=extra, keep=keep)
 

@@ -187,3 +187,47 @@ def test_training_changes_parameters() -> None:
     initial = state_of(make_model("sgd"))
     trained = reference("sgd")
     assert any((a - b).abs().max() > 1e-3 for a, b in zip(initial, trained))
+
+
+def plain_batchnorm_running_statistics() -> dict[str, list[torch.Tensor]]:
+    """Ordinary BatchNorm on 3 replicas: what each tracks alone, what run() and save() leave."""
+    repl = rp.Replicator()
+    with repl.scope():
+        torch.manual_seed(0)
+        model = make_model("batchnorm")  # plain BatchNorm1d: statistics of this replica's shard only
+        optimizer = repl.wrap_optimizer(make_optimizer("sgd", model.parameters()))
+    norm = model[1]
+    local: list[torch.Tensor] = []
+
+    def step_fn(ctx: rp.ReplicaContext, batch):
+        x, y = batch
+        optimizer.zero_grad()
+        F.cross_entropy(model(x + ctx.replica_id), y).backward()  # shards that differ in mean
+        optimizer.step()
+        local[:] = [norm.running_mean.clone(), norm.running_var.clone(), norm.num_batches_tracked.clone()]
+
+    batches = [global_batch(step) for step in range(STEPS)]
+    list(repl.run(step_fn, batches))
+    before_run_ended = list(local)
+    after_run = [norm.running_mean.clone(), norm.running_var.clone(), norm.num_batches_tracked.clone()]
+    step_fn(repl.context, batches[0])  # one more step outside run(): statistics drift apart again
+    drifted = [norm.running_mean.clone(), norm.running_var.clone()]
+    repl.sync_buffers()
+    return {"local": before_run_ended, "after_run": after_run, "drifted": drifted,
+            "synced": [norm.running_mean.clone(), norm.running_var.clone()]}
+
+
+def test_plain_batchnorm_statistics_are_averaged_over_replicas() -> None:
+    results = run_replicas(plain_batchnorm_running_statistics, 3, timeout_s=120)
+    for key, drifted_key in (("local", "after_run"), ("drifted", "synced")):
+        per_replica = [r[key] for r in results]
+        assert not torch.allclose(per_replica[0][0], per_replica[1][0]), "the shards must give different statistics"
+        for index in range(2):  # running mean, running variance
+            expected = torch.stack([p[index] for p in per_replica]).mean(0)
+            for replica, result in enumerate(results):
+                got = result[drifted_key][index]
+                assert torch.allclose(got, expected, atol=1e-6, rtol=0), (
+                    f"{drifted_key}: replica {replica} buffer {index} is off the replicas' mean by {(got - expected).abs().max():.3g}"
+                )
+                assert torch.equal(got, results[0][drifted_key][index]), "every replica must hold the same bits"
+    assert all(int(r["after_run"][2]) == STEPS for r in results), "num_batches_tracked stays a count, not a mean"

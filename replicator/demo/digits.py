@@ -118,13 +118,10 @@ def epochs(inputs: Iterable[Any], count: int | None) -> Iterator[Any]:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, test_set: TensorDataset, ctx: rp.ReplicaContext) -> float:
-    """Test accuracy over the whole test set, each replica scoring a disjoint slice."""
-    # Batch-norm running statistics are buffers, not gradients: each replica's saw only its
-    # own shard. Averaging them makes every replica evaluate one and the same model.
-    for module in model.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            module.running_mean.copy_(ctx.all_mean(module.running_mean))
-            module.running_var.copy_(ctx.all_mean(module.running_var))
+    """Test accuracy over the whole test set, each replica scoring a disjoint slice.
+
+    Every replica evaluates one and the same model: run() ended by averaging the batch-norm
+    running statistics, which each replica had tracked over its own shard."""
     model.eval()
     images, labels = test_set.tensors
     mine = slice(ctx.replica_id, None, ctx.num_replicas)  # strided: every sample scored exactly once
