@@ -155,6 +155,16 @@ class PendingAgreement:
             self._work = dist.all_gather(self._rows, mine, group=agreement.group, async_op=True)
         self._verdict: Verdict | None = None
 
+    def arrived(self) -> bool:
+        """Block until every replica has made this check; True if all made the same one.
+
+        Safe from another thread than the one that started the check (it raises nothing about
+        a mismatch: `wait()` does that, with the full intents). A reducer uses it as a barrier.
+        """
+        if self._work is not None:
+            self._work.wait()
+        return all(int(row[0]) == int(self._rows[0][0]) for row in self._rows)
+
     def wait(self) -> Verdict:
         if self._verdict is not None:
             return self._verdict

@@ -37,6 +37,24 @@ def collective_on_replica_zero_only() -> None:
         pass
 
 
+def optimizers_stepped_in_different_orders() -> None:
+    """Two same-shaped models: summing one replica's buckets with the other's would go unnoticed by sizes."""
+    repl = rp.Replicator()
+    with repl.scope():
+        models = [torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)]
+        optimizers = [repl.wrap_optimizer(torch.optim.SGD(m.parameters(), lr=0.1)) for m in models]
+    order = [0, 1] if repl.replica_id == 0 else [1, 0]
+
+    def step_fn(ctx, batch):
+        for index in order:
+            optimizers[index].zero_grad()
+            models[index](batch).pow(2).mean().backward()
+            optimizers[index].step()
+
+    for _ in repl.run(step_fn, [torch.ones(2, 3)] * 3):
+        pass
+
+
 def returns_a_string() -> None:
     repl, model, optimizer = tiny_setup()
     for _ in repl.run(lambda ctx, batch: "done", [torch.ones(2, 3)]):
@@ -89,6 +107,13 @@ def expect_everywhere(fn, kind: str, *fragments: str, replicas: int = 2) -> None
 def test_collective_called_by_some_replicas_names_the_culprit() -> None:
     expect_everywhere(collective_on_replica_zero_only, "ReplicaMismatchError",
                       "replica(s) 0: ctx.all_sum", "test_bad_input.py", "gradient sync")
+
+
+def test_optimizers_stepped_in_different_orders() -> None:
+    # Replica 0 opens optimizer 0's gradient sync while replica 1 opens optimizer 1's: both must
+    # raise, naming both, before any bucket of one is summed with the other's.
+    expect_everywhere(optimizers_stepped_in_different_orders, "ReplicaMismatchError",
+                      "replica(s) 0: gradient sync of", "replica(s) 1: gradient sync of")
 
 
 def test_unreducible_output() -> None:

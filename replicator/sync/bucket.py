@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from replicator.agreement import PendingAgreement
 from replicator.sync.reducers import PendingReduction
 
 __all__ = ["Bucket", "assign_buckets"]
@@ -32,6 +33,9 @@ class Bucket:
     flags: list[int] = field(default_factory=list)
     launched: bool = False
     pending: PendingReduction | None = None
+    # The window's agreement check when this bucket opened the window: every replica has loaded
+    # this bucket once the check completed, so a reducer may take it as its first barrier.
+    arrival: PendingAgreement | None = None
 
     @property
     def complete(self) -> bool:
@@ -76,6 +80,7 @@ class Bucket:
         self.ready.clear()
         self.launched = False
         self.pending = None
+        self.arrival = None
 
 
 Allocator = Callable[[int, torch.dtype, torch.device], "torch.Tensor | None"]

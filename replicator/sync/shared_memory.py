@@ -11,6 +11,8 @@ import stat
 import torch
 import torch.distributed as dist
 
+from replicator.agreement import PendingAgreement
+from replicator.errors import ReplicaMismatchError
 from replicator.sync.hierarchical import DEFAULT_CHUNK_BYTES, level_groups, processes_per_node, replicas_per_node
 from replicator.sync.summation import create_groups, replica_partition
 from replicator.topology import ProcessGroups
@@ -95,7 +97,9 @@ class SharedMemorySum:
     sum. No third barrier is needed: replica i touches another row only between the two
     barriers of a sum, and its owner writes it again only after the second.
     The barriers are tiny Gloo messages on the reducer's own group, so a missing replica
-    still ends in a timeout, not a hang. Each slice is summed by one replica and written
+    still ends in a timeout, not a hang. The first bucket of an optimizer step needs no first
+    barrier of its own: the synchronizer's check that every replica opened the same step's
+    gradient sync (`sum_after`) completes only once every replica has loaded that bucket. Each slice is summed by one replica and written
     to all, so every replica ends with identical bits.
 
     Across nodes, local replica i's summed slice is all-reduced with the replicas holding
@@ -194,6 +198,12 @@ class SharedMemorySum:
         return self._staging[key]
 
     def sum_(self, tensor: torch.Tensor) -> None:
+        self.sum_after(tensor, None)
+
+    def sum_after(self, tensor: torch.Tensor, arrival: PendingAgreement | None) -> None:
+        """Sum like `sum_`; with `arrival`, a check that every replica makes only once its bucket
+        is loaded, take its completion as the first barrier, and refuse to sum if replicas made
+        different checks (mixing other buckets; the caller raises the full error)."""
         if tensor.device.type != "cpu":
             raise TypeError(f"the shared-memory reducer sums host tensors only, got one on {tensor.device}; use 'flat'")
         flat = tensor.view(-1)
@@ -204,20 +214,30 @@ class SharedMemorySum:
             segment, staged = self._staging_segment(flat.numel(), flat.dtype), True
         else:
             staged = False
+        # A staged tensor is copied in here, after the check was made: it needs a barrier of its own.
+        arrival = None if staged else arrival
         bounds = [flat.numel() * k // self.local_size for k in range(self.local_size + 1)]
         if self.across is not None:
-            self._sum_across_nodes(flat, segment, bounds, staged)
+            self._sum_across_nodes(flat, segment, bounds, staged, arrival)
             return
         own = segment.rows[self.position]
         if staged:
             own.copy_(flat)
         mine = slice(bounds[self.position], bounds[self.position + 1])
-        dist.barrier(group=self.group)
+        self._all_loaded(arrival)
         self._add_peers(segment, mine)
         self._write_to_peers(segment, mine)
         dist.barrier(group=self.group)
         if staged:
             flat.copy_(own)
+
+    def _all_loaded(self, arrival: PendingAgreement | None) -> None:
+        """Return once every local replica's row is loaded: the first barrier of a sum."""
+        if arrival is None:
+            dist.barrier(group=self.group)
+        elif not arrival.arrived():
+            raise ReplicaMismatchError("gradient buckets were not summed: the replicas reached different gradient "
+                                       "syncs (the error raised by the optimizer's step says which)")
 
     # Between a sum's first and last barrier, slice i of every row is replica i's alone: it adds
     # the peers' slices into its own row's, then writes the sum back into theirs. Each replica
@@ -234,7 +254,8 @@ class SharedMemorySum:
             if peer != self.position:
                 segment.rows[peer, mine] = segment.rows[self.position, mine]
 
-    def _sum_across_nodes(self, flat: torch.Tensor, segment: _Segment, bounds: list[int], staged: bool) -> None:
+    def _sum_across_nodes(self, flat: torch.Tensor, segment: _Segment, bounds: list[int], staged: bool,
+                          arrival: PendingAgreement | None) -> None:
         """Sum this node's slice chunk by chunk, all-reducing each chunk with the other nodes'
         replicas of the same slice (whose bounds are the same on every node), and write each
         chunk into the peers' rows as soon as it comes back, while later chunks are still
@@ -250,7 +271,7 @@ class SharedMemorySum:
 
         own = segment.rows[self.position]
         if not staged:
-            dist.barrier(group=self.group)
+            self._all_loaded(arrival)
         crossing = []
         for k in range(chunks):
             if staged:

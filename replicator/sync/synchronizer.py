@@ -105,6 +105,7 @@ class GradientSynchronizer:
             self._windows += 1
             # Checked without blocking: the verdict is awaited before the buckets are.
             self._agreement_in_flight = self.agreement.start(f"gradient sync of {self.label}, window {self._windows}")
+            bucket.arrival = self._agreement_in_flight
         if self.debug:
             started = time.perf_counter()
             self.agreement.require_same(f"gradient bucket {bucket.index} of {self.label}, {bucket.buffer.numel()} elements",

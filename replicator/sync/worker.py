@@ -123,6 +123,10 @@ class SummationReducer:
 
         check_group(group, self.summation.size, self.name, self._checked)
         label = f"{self.name} reduction of bucket {bucket.index if bucket is not None else '?'}"
+        arrival = bucket.arrival if bucket is not None else None
+        sum_after = getattr(self.summation, "sum_after", None)
+        if arrival is not None and sum_after is not None:
+            return self._worker.submit(lambda: sum_after(buffer, arrival), label, buffer.device)
         return self._worker.submit(lambda: self.summation.sum_(buffer), label, buffer.device)
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
