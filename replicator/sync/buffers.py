@@ -19,15 +19,15 @@ from replicator.agreement import Agreement
 __all__ = ["average_buffers"]
 
 
-def average_buffers(modules: Iterable[torch.nn.Module], group: dist.ProcessGroup | None, agreement: Agreement) -> int:
+def average_buffers(modules: Iterable[torch.nn.Module], group: dist.ProcessGroup | None, agreement: Agreement) -> None:
     """Average floating-point buffers over `group` and give integer ones replica 0's values.
 
-    One all-reduce per (dtype, device) and one broadcast per integer buffer group; every
-    replica must call it at the same point. Returns how many buffers it touched.
+    One collective per (dtype, device): an all-reduce, or for integers a broadcast. Every
+    replica must call it at the same point.
     """
     buffers = list({id(b): b for module in modules for b in module.buffers()}.values())
     if group is None or not buffers:
-        return len(buffers)
+        return
     numel = sum(b.numel() for b in buffers)
     # Different models (or buffer sets) would feed mismatched sizes to the collective: fail together instead.
     agreement.require_same(f"average {len(buffers)} buffers of {numel} elements")
@@ -46,4 +46,3 @@ def average_buffers(modules: Iterable[torch.nn.Module], group: dist.ProcessGroup
         with torch.no_grad():
             for buffer, part in zip(members, flat.split([b.numel() for b in members])):
                 buffer.copy_(part.view_as(buffer))
-    return len(buffers)

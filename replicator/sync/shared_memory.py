@@ -99,8 +99,9 @@ class SharedMemorySum:
     The barriers are tiny Gloo messages on the reducer's own group, so a missing replica
     still ends in a timeout, not a hang. The first bucket of an optimizer step needs no first
     barrier of its own: the synchronizer's check that every replica opened the same step's
-    gradient sync (`sum_after`) completes only once every replica has loaded that bucket. Each slice is summed by one replica and written
-    to all, so every replica ends with identical bits.
+    gradient sync (`sum_after`) completes only once every replica has loaded that bucket.
+    Each slice is summed by one replica and written to all, so every replica ends with
+    identical bits.
 
     Across nodes, local replica i's summed slice is all-reduced with the replicas holding
     slice i on the other nodes, all local replicas in parallel: each sends 1/L of the buffer
