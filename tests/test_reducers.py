@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import shutil
 import tempfile
+import time
 from typing import Any
 
 import pytest
@@ -384,6 +385,44 @@ def test_shared_memory_equals_flat_on_one_node(one_by_three: list[dict[str, Any]
         got, expected = result["in place"]
         assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
         assert torch.equal(got, one_by_three[0]["in place"][0]), "replicas disagree"
+
+
+def _late_presence_on_replica_zero() -> list[torch.Tensor]:
+    """`b` gets a gradient on replica 1 only; replica 0's main thread stalls just before writing
+    its presence flags, as a descheduled process would. The window's check, which the
+    shared-memory sum takes as its first barrier, must not complete before those flags exist."""
+    repl = rp.Replicator(reducer="shm")
+    write_presence = Bucket.write_presence
+
+    def late(bucket: Bucket) -> None:
+        if repl.replica_id == 0:
+            time.sleep(0.3)
+        write_presence(bucket)
+
+    Bucket.write_presence = late  # type: ignore[method-assign]
+    with repl.scope():
+        torch.manual_seed(0)
+        a, b = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+        optimizer = repl.wrap_optimizer(torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1))
+    start = [p.detach().clone() for p in b.parameters()]
+
+    def step_fn(ctx: rp.ReplicaContext, batch: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        loss = a(batch).sum() + (b(batch).sum() if ctx.replica_id == 1 else 0.0)
+        loss.backward()
+        optimizer.step()
+
+    list(repl.run(step_fn, [torch.ones(2, 3)] * 2))
+    return [*start, *(p.detach().clone() for p in b.parameters())]
+
+
+def test_presence_is_written_before_the_sum_may_start() -> None:
+    results = run_replicas(_late_presence_on_replica_zero, 2, timeout_s=60)
+    weight0, bias0, weight, bias = results[0]
+    # Replica 1's gradient of b is 2 per element (two rows of ones); averaged over 2 replicas, 1.
+    # Two SGD steps of 0.1 move every element of b by 0.2, on both replicas.
+    assert torch.allclose(weight, weight0 - 0.2, atol=1e-6) and torch.allclose(bias, bias0 - 0.2, atol=1e-6)
+    assert all(torch.equal(x, y) for x, y in zip(results[0], results[1])), "replicas diverged"
 
 
 def test_hierarchical_with_stages(two_by_two: list[dict[str, Any]]) -> None:

@@ -33,8 +33,9 @@ class Bucket:
     flags: list[int] = field(default_factory=list)
     launched: bool = False
     pending: PendingReduction | None = None
-    # The window's agreement check when this bucket opened the window: every replica has loaded
-    # this bucket once the check completed, so a reducer may take it as its first barrier.
+    # The window's agreement check when this bucket opened the window. Every replica starts it
+    # only once this buffer is complete (gradients and presence slots), so its completion
+    # proves every replica's buffer is loaded: a reducer may take it as its first barrier.
     arrival: PendingAgreement | None = None
 
     @property

@@ -100,6 +100,9 @@ class GradientSynchronizer:
             self._launch(self.buckets[self._next_bucket])
 
     def _launch(self, bucket: Bucket) -> None:
+        # The buffer must be complete, presence slots included, before the window's check
+        # starts: a reducer may take that check's completion as proof that every row is loaded.
+        bucket.write_presence()
         if not self._window_open:
             self._window_open = True
             self._windows += 1
@@ -111,7 +114,6 @@ class GradientSynchronizer:
             self.agreement.require_same(f"gradient bucket {bucket.index} of {self.label}, {bucket.buffer.numel()} elements",
                                         call_site())
             self.on_wait(time.perf_counter() - started)
-        bucket.write_presence()
         bucket.launched = True
         bucket.pending = self.reducer.reduce(bucket.buffer, self.group, bucket)  # type: ignore[arg-type]
         self._next_bucket = bucket.index + 1
