@@ -563,9 +563,11 @@ class Replicator:
         """Average the buffers (BatchNorm running statistics) over this stage's replicas.
 
         Each replica's BatchNorm tracks statistics of its own shard only. run() calls this when
-        it ends and save() before writing, so evaluation and checkpoints see one model; call it
-        yourself before evaluating in the middle of a run (every replica, at the same point).
-        Integer buffers take replica 0's values. CrossReplicaBatchNorm's are equal already.
+        it ends (not when the loop over it is left with `break`) and save() before writing, so
+        evaluation and checkpoints see one model; call it yourself before evaluating in the
+        middle of a run or after a `break` (every replica, at the same point). Integer buffers
+        take replica 0's values; buffers already equal everywhere (CrossReplicaBatchNorm's
+        statistics, constant tables) stay bit for bit.
         """
         from replicator.sync.buffers import average_buffers
 

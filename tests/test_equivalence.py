@@ -195,6 +195,10 @@ def plain_batchnorm_running_statistics() -> dict[str, list[torch.Tensor]]:
     with repl.scope():
         torch.manual_seed(0)
         model = make_model("batchnorm")  # plain BatchNorm1d: statistics of this replica's shard only
+        # Buffers equal on every replica must come back bit for bit, even where a sum of three
+        # would round (thirds) or overflow (half precision).
+        model.register_buffer("thirds", torch.linspace(-3, 3, 1000) / 3)
+        model.register_buffer("large_half", torch.full((4,), -30000.0, dtype=torch.float16))
         optimizer = repl.wrap_optimizer(make_optimizer("sgd", model.parameters()))
     norm = model[1]
     local: list[torch.Tensor] = []
@@ -214,7 +218,8 @@ def plain_batchnorm_running_statistics() -> dict[str, list[torch.Tensor]]:
     drifted = [norm.running_mean.clone(), norm.running_var.clone()]
     repl.sync_buffers()
     return {"local": before_run_ended, "after_run": after_run, "drifted": drifted,
-            "synced": [norm.running_mean.clone(), norm.running_var.clone()]}
+            "synced": [norm.running_mean.clone(), norm.running_var.clone()],
+            "constant": [model.thirds.clone(), model.large_half.clone()]}
 
 
 def test_plain_batchnorm_statistics_are_averaged_over_replicas() -> None:
@@ -231,3 +236,7 @@ def test_plain_batchnorm_statistics_are_averaged_over_replicas() -> None:
                 )
                 assert torch.equal(got, results[0][drifted_key][index]), "every replica must hold the same bits"
     assert all(int(r["after_run"][2]) == STEPS for r in results), "num_batches_tracked stays a count, not a mean"
+    for result in results:
+        thirds, large_half = result["constant"]
+        assert torch.equal(thirds, torch.linspace(-3, 3, 1000) / 3), "an equal buffer changed in averaging"
+        assert torch.equal(large_half, torch.full((4,), -30000.0, dtype=torch.float16)), "an equal fp16 buffer changed"

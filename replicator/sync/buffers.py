@@ -9,6 +9,7 @@ that every replica took alike, so they take replica 0's values, never a rounded 
 
 from __future__ import annotations
 
+import zlib
 from typing import Iterable
 
 import torch
@@ -22,15 +23,17 @@ __all__ = ["average_buffers"]
 def average_buffers(modules: Iterable[torch.nn.Module], group: dist.ProcessGroup | None, agreement: Agreement) -> None:
     """Average floating-point buffers over `group` and give integer ones replica 0's values.
 
-    One collective per (dtype, device): an all-reduce, or for integers a broadcast. Every
-    replica must call it at the same point.
+    Every replica must call it at the same point. The mean is taken as replica 0's value plus
+    the mean of the replicas' differences from it, in double precision: buffers that are
+    already equal on every replica (masks, constant tables, CrossReplicaBatchNorm's
+    statistics) come back bit for bit, and half-precision sums cannot overflow.
     """
-    buffers = list({id(b): b for module in modules for b in module.buffers()}.values())
-    if group is None or not buffers:
+    if group is None:
         return
-    numel = sum(b.numel() for b in buffers)
-    # Different models (or buffer sets) would feed mismatched sizes to the collective: fail together instead.
-    agreement.require_same(f"average {len(buffers)} buffers of {numel} elements")
+    buffers = list({id(b): b for module in modules for b in module.buffers()}.values())
+    layout = ";".join(f"{b.dtype}{tuple(b.shape)}" for b in buffers)
+    # Different models (or buffer sets) would pair mismatched collectives: fail together instead.
+    agreement.require_same(f"average {len(buffers)} buffers (layout crc {zlib.crc32(layout.encode())})")
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for buffer in buffers:
         by_kind.setdefault((buffer.dtype, buffer.device), []).append(buffer)
@@ -38,11 +41,13 @@ def average_buffers(modules: Iterable[torch.nn.Module], group: dist.ProcessGroup
     first = dist.get_global_rank(group, 0)
     for (dtype, _), members in by_kind.items():
         flat = torch.cat([b.detach().reshape(-1) for b in members])
+        reference = flat.clone()
+        dist.broadcast(reference, src=first, group=group)
         if dtype.is_floating_point or dtype.is_complex:
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-            flat /= size
-        else:
-            dist.broadcast(flat, src=first, group=group)
+            wide = torch.complex128 if dtype.is_complex else torch.float64
+            difference = flat.to(wide) - reference.to(wide)
+            dist.all_reduce(difference, op=dist.ReduceOp.SUM, group=group)
+            reference = (reference.to(wide) + difference / size).to(dtype)
         with torch.no_grad():
-            for buffer, part in zip(members, flat.split([b.numel() for b in members])):
+            for buffer, part in zip(members, reference.split([b.numel() for b in members])):
                 buffer.copy_(part.view_as(buffer))
