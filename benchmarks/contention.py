@@ -31,8 +31,10 @@ import torch.nn.functional as F
 from replicator.demo.digits import ResNet, load_digits_split
 
 
-def _train_steps(steps: int, warmup: int, start: Any, out: Any) -> None:
-    """One plain process: wait for the start signal, time `steps` training steps, report medians."""
+def _train_steps(steps: int, warmup: int, start: Any, finished: Any, out: Any) -> None:
+    """One plain process: wait for the start signal, time `steps` training steps, report medians,
+    and keep computing (untimed) until every process of the phase has timed its steps, so that
+    none times its last steps alone."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     train, _ = load_digits_split(32, seed=0)
@@ -49,14 +51,20 @@ def _train_steps(steps: int, warmup: int, start: Any, out: Any) -> None:
         if step >= warmup:
             walls.append(time.perf_counter() - wall)
             cpus.append(time.process_time() - cpu)
+    with finished.get_lock():
+        finished.value += 1
+    while finished.value < start.parties:
+        optimizer.zero_grad()
+        F.cross_entropy(model(images), labels).backward()
+        optimizer.step()
     out.put((1e3 * statistics.median(walls), 1e3 * statistics.median(cpus)))
 
 
 def phase(processes: int, steps: int, warmup: int) -> list[tuple[float, float]]:
     """Run `processes` independent trainers at once; each one's (median step ms, median CPU ms)."""
     context = multiprocessing.get_context("spawn")
-    start, out = context.Barrier(processes), context.Queue()
-    workers = [context.Process(target=_train_steps, args=(steps, warmup, start, out)) for _ in range(processes)]
+    start, finished, out = context.Barrier(processes), context.Value("i", 0), context.Queue()
+    workers = [context.Process(target=_train_steps, args=(steps, warmup, start, finished, out)) for _ in range(processes)]
     for worker in workers:
         worker.start()
     results = [out.get(timeout=600) for _ in workers]

@@ -99,7 +99,8 @@ class SharedMemorySum:
     The barriers are tiny Gloo messages on the reducer's own group, so a missing replica
     still ends in a timeout, not a hang. The first bucket of an optimizer step needs no first
     barrier of its own: the synchronizer's check that every replica opened the same step's
-    gradient sync (`sum_after`) completes only once every replica has loaded that bucket.
+    gradient sync completes only once every replica has loaded that bucket, and `sum_after`
+    takes that completion instead.
     Each slice is summed by one replica and written to all, so every replica ends with
     identical bits.
 
@@ -202,9 +203,13 @@ class SharedMemorySum:
         self.sum_after(tensor, None)
 
     def sum_after(self, tensor: torch.Tensor, arrival: PendingAgreement | None) -> None:
-        """Sum like `sum_`; with `arrival`, a check that every replica makes only once its bucket
-        is loaded, take its completion as the first barrier, and refuse to sum if replicas made
-        different checks (mixing other buckets; the caller raises the full error)."""
+        """Sum like `sum_`, with `arrival` in place of the first barrier.
+
+        `arrival` must be a check that every replica starts only once its `tensor` (an
+        allocated bucket) is completely written, presence slots included. If the replicas
+        made different checks, their buckets belong to different syncs: nothing is summed and
+        this raises, while the caller's wait on the check raises the error that names them.
+        """
         if tensor.device.type != "cpu":
             raise TypeError(f"the shared-memory reducer sums host tensors only, got one on {tensor.device}; use 'flat'")
         flat = tensor.view(-1)
@@ -245,10 +250,11 @@ class SharedMemorySum:
     # then finds the whole sum in its own row (a bucket's gradients already live there): the
     # buffer is read once, where summing apart and copying out would read it twice.
     def _add_peers(self, segment: _Segment, mine: slice) -> None:
-        summed = segment.rows[self.position, mine]
-        for peer in range(self.local_size):
-            if peer != self.position:
-                summed.add_(segment.rows[peer, mine])
+        rows = segment.rows[:, mine]
+        if self.local_size == 2:
+            rows[self.position].add_(rows[1 - self.position])
+        else:  # one pass over every row, where L - 1 additions in place would read this row L - 1 times
+            rows[self.position] = rows.sum(dim=0)
 
     def _write_to_peers(self, segment: _Segment, mine: slice) -> None:
         for peer in range(self.local_size):

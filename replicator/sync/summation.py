@@ -14,7 +14,11 @@ __all__ = ["Summation", "FlatSum", "replica_partition", "create_groups", "check_
 
 
 class Summation(Protocol):
-    """Sums a tensor in place over the replicas of this stage; returns when done."""
+    """Sums a tensor in place over the replicas of this stage; returns when done.
+
+    A summation may also have `sum_after(tensor, arrival)`, which takes a completed agreement
+    check as its first barrier (see SharedMemorySum); SummationReducer uses it when it exists.
+    """
 
     name: str
     size: int  # how many replicas contribute to the sum
