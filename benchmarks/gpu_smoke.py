@@ -17,7 +17,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -142,15 +142,18 @@ def main(argv: list[str] | None = None) -> int:
     labels = torch.randint(0, 1000, (options.batch,), generator=generator)
     batch = (images.to(device).contiguous(memory_format=torch.channels_last), labels.to(device))
 
-    # The proof that this is the real thing: an NCCL collective on CUDA tensors through the
-    # replica context, and every parameter and input on the GPU.
-    probe = repl.context.all_sum(torch.ones(4, device=device))
+    # The proof that this is the real thing: an NCCL collective on CUDA tensors over the
+    # replicas' group, and every parameter and input on the GPU. (With one replica, ctx.all_sum
+    # returns its input without communicating, so the probe calls the group directly.)
+    probe = torch.ones(4, device=device)
+    if repl.groups.replica is not None:
+        dist.all_reduce(probe, group=repl.groups.replica)
     checks = {
         "backend": backend,
         "replicator device": str(device),
         "parameters on": sorted({str(p.device) for p in model.parameters()}),
         "batch on": str(batch[0].device),
-        "ctx.all_sum probe": f"{probe.tolist()} on {probe.device}",
+        "all_reduce probe on the replica group": f"{probe.tolist()} on {probe.device}",
     }
     verified = (
         backend == expected_backend and device.type == expected_device
@@ -164,14 +167,18 @@ def main(argv: list[str] | None = None) -> int:
         return replicated_step(data)
 
     def run_replicator(count: int) -> None:
-        for _ in repl.run(step_fn, [batch] * count, steps=count, progress=False, warmup_steps=0):
+        # run() counts steps over the whole training: ask for `count` more.
+        for _ in repl.run(step_fn, [batch] * count, steps=repl.global_step + count, progress=False, warmup_steps=0):
             pass
 
     plain_step = _plain_step(plain, plain_optimizer, device.type)
+    plain_steps = 0
 
     def run_plain(count: int) -> None:
+        nonlocal plain_steps
         for _ in range(count):
             plain_step(batch)
+        plain_steps += count
 
     def synchronize() -> None:
         if device.type == "cuda":
@@ -190,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             rates[name].append(options.batch * options.steps / (time.perf_counter() - started))
 
     # Same weights, same data, same number of steps: a large gap would mean different work.
+    checks["steps, replicator / plain"] = f"{repl.global_step} / {plain_steps}"
+    verified = verified and repl.global_step == plain_steps
     worst = max(float((a.detach().float() - b.detach().float()).abs().max()) for a, b in zip(model.parameters(), plain.parameters()))
     scale = max(float(p.detach().abs().max()) for p in plain.parameters())
 
