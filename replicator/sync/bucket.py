@@ -74,8 +74,16 @@ class Bucket:
         self.ready.add(position)
 
     def write_presence(self) -> None:
-        """Put the presence flags in the buffer's tail, once per launch."""
-        self.presence().copy_(torch.tensor(self.flags, dtype=self.buffer.dtype))
+        """Put the presence flags in the buffer's tail, once per launch.
+
+        Filled on the buffer's own device: copying a host list into a GPU buffer would make the
+        host wait for all the backward work queued so far, once per bucket.
+        """
+        presence = self.presence()
+        presence.fill_(1)
+        for position, flag in enumerate(self.flags):
+            if not flag:
+                presence[position] = 0
 
     def reset(self) -> None:
         self.ready.clear()
