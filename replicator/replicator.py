@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.nn.modules import module as module_hooks
 
 from replicator.agreement import Agreement, PendingAgreement
+from replicator.local_link import LocalLink
 from replicator.context import InputContext, ReplicaContext, set_active_context
 from replicator.errors import ReplicaMismatchError, ReplicatorUsageError
 from replicator.health import NONFINITE_POLICIES, NonFiniteError, OutputCheck, require_identical
@@ -107,8 +108,11 @@ class Replicator:
         self.num_replicas = len(self.groups.replica_ranks)
         self.replica_id = self.groups.replica_ranks.index(self.topology.rank)
         self.device = self.topology.device
-        self.agreement = Agreement(self.groups.control, trail=self.debug)  # the whole job: steps, run summary
-        self.replica_agreement = Agreement(self.groups.replica_control, trail=self.debug)  # this stage's replicas
+        # The whole job's checks (steps, run summary) and those of this stage's replicas, each
+        # over a Unix-socket link when the group lives on one node (decided together).
+        self.agreement = Agreement(self.groups.control, self.debug, LocalLink.connect(self.groups.control, timeout_s))
+        self.replica_agreement = Agreement(self.groups.replica_control, self.debug,
+                                           LocalLink.connect(self.groups.replica_control, timeout_s))
         self.context = ReplicaContext(self.replica_id, self.num_replicas, self.groups.replica, self.replica_agreement)
         set_active_context(self.context)
         self._times = StepTimes()

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from replicator.local_link import LocalLink
 from replicator.sync.reducers import make_reducer
 from replicator.testing import ReplicaFailure
 from replicator.testing.cluster import PREFIX, SimulatedCluster, cluster_available, remove_stale
@@ -69,6 +70,8 @@ def _on_cluster() -> dict[str, Any]:
         results[spec] = (reducer.name, buffers, sharing)
         getattr(reducer, "close", lambda: None)()
     out["sums"] = results
+    # Abstract Unix sockets belong to a network namespace: a link forms inside a node, never across.
+    out["links"] = (LocalLink.connect(groups.control, 30) is None, LocalLink.connect(groups.intra_node, 30) is not None)
 
     for peer in (2, 1):  # warm both connections before timing anything
         dist.barrier()
@@ -110,6 +113,12 @@ def test_every_rank_finds_its_node(cluster_results: tuple[list[dict[str, Any]], 
         assert result["namespace"].endswith(f"-n{node}"), f"rank {rank} runs in {result['namespace']}"
         assert result["intra_members"] == [2 * node, 2 * node + 1]
     assert results[0]["namespace"] != results[2]["namespace"]
+
+
+@needs_cluster
+def test_local_links_form_inside_a_node_only(cluster_results: tuple[list[dict[str, Any]], SimulatedCluster]) -> None:
+    results, _ = cluster_results
+    assert [result["links"] for result in results] == [(True, True)] * 4
 
 
 @needs_cluster
