@@ -24,7 +24,7 @@ __all__ = ["LocalLink", "LinkError"]
 
 _TICKET = struct.Struct("<q")
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
-_RECEIVE_BYTES = 1 << 16
+_RECEIVE_BYTES = 4096  # messages are a few dozen bytes
 _DISABLE_VARIABLE = "REPLICATOR_LOCAL_LINK"
 
 
@@ -56,7 +56,8 @@ class LocalLink:
         self._inbox: dict[int, dict[int, bytes]] = {}
         self._state = threading.Condition()
         self._reading = False  # one waiting thread at a time reads the sockets, for everyone
-        self._failure: LinkError | None = None
+        self._failure: LinkError | None = None  # a timeout: the members' counts no longer match
+        self._departed: dict[int, LinkError] = {}  # peers whose sockets were read to their end
 
     # -- set-up ---------------------------------------------------------------------
     @classmethod
@@ -69,8 +70,8 @@ class LocalLink:
         ranks = dist.get_process_group_ranks(group)
         position = dist.get_rank(group)
         wanted = os.environ.get(_DISABLE_VARIABLE, "1") != "0" and hasattr(socket, "SO_PEERCRED")
-        # A name nobody can guess, drawn by the first member: other users' processes in this network
-        # namespace can see abstract names, so every connection is also checked by its peer's pid and uid.
+        # A random name, drawn by the first member. Abstract names are listed in /proc/net/unix for
+        # anyone in this network namespace, so what admits a connection is its peer's pid and uid.
         token = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
         dist.broadcast(token, src=ranks[0], group=group)
         listener = None
@@ -94,25 +95,16 @@ class LocalLink:
                     peers[lower] = peer
                     peer.settimeout(timeout_s)
                     peer.connect(_address(int(token), lower))
-                    peer.sendall(struct.pack("<i", position))
-                    ready = ready and _is_process(peer, pids[lower])
+                    ready = ready and _peer_credentials(peer) == (pids[lower], os.getuid())
             except OSError:
                 ready = False
         everyone = torch.tensor([int(ready)])
         dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
         ready = bool(everyone.item())
         if ready:
-            try:
-                assert listener is not None
-                listener.settimeout(timeout_s)
-                for _ in range(position + 1, len(ranks)):
-                    peer, _ = listener.accept()
-                    peer.settimeout(timeout_s)
-                    higher = struct.unpack("<i", peer.recv(4))[0]
-                    peers[higher] = peer
-                    ready = ready and higher in range(position + 1, len(ranks)) and _is_process(peer, pids[higher])
-            except (OSError, struct.error):
-                ready = False
+            assert listener is not None
+            ready = _accept(listener, peers, {pids[higher]: higher for higher in range(position + 1, len(ranks))},
+                            timeout_s / 2)
             everyone = torch.tensor([int(ready)])
             dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
             ready = bool(everyone.item())
@@ -129,24 +121,25 @@ class LocalLink:
         return cls(peers, position, ranks, timeout_s)
 
     def close(self) -> None:
+        """Close the sockets: peers see this member leave; exchanges here fail from now on."""
+        with self._state:
+            self._failure = self._failure or LinkError("this process closed its link")
         for peer in self._peers.values():
             peer.close()
-        self._peers.clear()
 
     # -- messages -------------------------------------------------------------------
     def post(self, payload: bytes = b"") -> int:
         """Send `payload` to every peer; the ticket to collect their answers with. Raises nothing:
-        a peer that cannot be reached fails the exchange when it is collected."""
+        a peer that has left is reported by the exchanges it can no longer complete."""
         with self._sending:
             ticket = self._posted
             self._posted += 1
             message = _TICKET.pack(ticket) + payload
-            for at, peer in self._peers.items():
+            for peer in self._peers.values():
                 try:
                     peer.sendall(message, socket.MSG_NOSIGNAL)  # EPIPE, not a fatal SIGPIPE
-                except OSError as error:  # surfaces where the exchange is collected, like a backend's error
-                    self._fail(LinkError(f"rank {self.ranks[at]} closed its end of the link (it exited or crashed): "
-                                         f"{error}"))
+                except OSError:
+                    pass  # it left: reading its socket gives what it sent before, then its end
         return ticket
 
     def collect(self, ticket: int) -> list[bytes]:
@@ -160,10 +153,16 @@ class LocalLink:
                     return [arrived.get(at, b"") for at in range(self.size)]
                 if self._failure is not None:
                     raise self._failure
+                # A peer that left after sending this ticket's message still completes it.
+                for at, departure in self._departed.items():
+                    if at not in arrived and self._received_from[at] <= ticket:
+                        raise departure
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     missing = [self.ranks[at] for at in self._peers if at not in arrived]
-                    raise self._fail(LinkError(f"rank(s) {missing} sent nothing for {self.timeout_s:.0f} s"))
+                    # The members' message counts no longer match: every later exchange must fail too.
+                    self._failure = LinkError(f"rank(s) {missing} sent nothing for {self.timeout_s:.0f} s")
+                    raise self._failure
                 if self._reading:
                     self._state.wait(remaining)
                     continue
@@ -184,47 +183,62 @@ class LocalLink:
 
     def _read(self, timeout_s: float) -> list[tuple[int, int, bytes]]:
         """(position, ticket, payload) of the messages waiting on any peer's socket, after
-        waiting up to `timeout_s` for the first. Called without the state lock held. A peer
-        that closed its end is recorded as the link's failure once its last messages are read:
-        exchanges it completed before it left still complete."""
+        waiting up to `timeout_s` for the first. Called by one thread at a time, without the
+        state lock. A peer that left is recorded in `_departed` once its last message is read."""
         received = []
         for descriptor, _ in self._poller.poll(max(1, int(timeout_s * 1000))):
             at = self._position_of[descriptor]
+            reset = False
             while True:
                 try:
                     message = self._peers[at].recv(_RECEIVE_BYTES, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     break
-                except OSError as error:  # a reset: the peer exited with our messages unread
-                    message, reason = b"", f": {error}"
-                else:
-                    reason = ""
+                except ConnectionResetError:
+                    # It left with our messages unread. The reset can be reported before the
+                    # messages it sent us, which are still queued: read on, to its end.
+                    if not reset:
+                        reset = True
+                        continue
+                    message = b""  # reported again: nothing more will come
                 if not message:
                     self._poller.unregister(descriptor)
-                    self._fail(LinkError(f"rank {self.ranks[at]} closed its end of the link (it exited or crashed)"
-                                         f"{reason}"))
+                    self._departed[at] = LinkError(f"rank {self.ranks[at]} closed its end of the link "
+                                                   "(it exited or crashed)")
                     break
                 (ticket,) = _TICKET.unpack_from(message)
-                expected = self._received_from[at]
-                if ticket != expected:
-                    self._fail(LinkError(f"rank {self.ranks[at]} sent message {ticket} where {expected} was due"))
-                    break
                 self._received_from[at] = ticket + 1
                 received.append((at, ticket, message[_TICKET.size :]))
         return received
-
-    def _fail(self, error: LinkError) -> LinkError:
-        # After a failure the members' message counts no longer match: every later exchange fails too.
-        self._failure = self._failure or error
-        return error
 
 
 def _address(token: int, position: int) -> str:
     return f"\0replicator-link-{token:x}-{position}"  # abstract namespace: nothing on disk to leak
 
 
-def _is_process(peer: socket.socket, pid: int) -> bool:
-    """Whether the other end of `peer` is process `pid` of this user (not an impostor that connected first)."""
+def _peer_credentials(peer: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of `peer`, as the kernel saw it connect."""
     raw = peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
-    their_pid, their_uid, _ = _CREDENTIALS.unpack(raw)
-    return their_pid == pid and their_uid == os.getuid()
+    pid, uid, _ = _CREDENTIALS.unpack(raw)
+    return pid, uid
+
+
+def _accept(listener: socket.socket, peers: dict[int, socket.socket], expected: dict[int, int], within_s: float) -> bool:
+    """Accept a connection from each process in `expected` (pid -> position) into `peers`; False if
+    they are not all there within `within_s` (well inside the group's own timeout, so that the
+    members still decide together). Connections from any other process are closed unread: an
+    impostor can neither take a member's place nor stall the handshake."""
+    deadline = time.monotonic() + within_s
+    waiting = dict(expected)
+    try:
+        while waiting:
+            listener.settimeout(max(deadline - time.monotonic(), 1e-3))
+            peer, _ = listener.accept()
+            pid, uid = _peer_credentials(peer)
+            if uid != os.getuid() or pid not in waiting:
+                peer.close()
+                continue
+            peers[waiting.pop(pid)] = peer
+    except OSError:
+        return False
+    return True

@@ -673,6 +673,9 @@ class Replicator:
                     dist.barrier(group=self.groups.control)
             dist.destroy_process_group()
             self._created_process_group = False
+        for agreement in (self.agreement, self.replica_agreement):
+            if agreement.link is not None:
+                agreement.link.close()
 
 
 class _Scope:

@@ -71,7 +71,10 @@ def _on_cluster() -> dict[str, Any]:
         getattr(reducer, "close", lambda: None)()
     out["sums"] = results
     # Abstract Unix sockets belong to a network namespace: a link forms inside a node, never across.
-    out["links"] = (LocalLink.connect(groups.control, 30) is None, LocalLink.connect(groups.intra_node, 30) is not None)
+    across, inside = LocalLink.connect(groups.control, 30), LocalLink.connect(groups.intra_node, 30)
+    out["links"] = (across is None, inside is not None)
+    if inside is not None:
+        inside.close()
 
     for peer in (2, 1):  # warm both connections before timing anything
         dist.barrier()

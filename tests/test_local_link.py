@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import replicator as rp
-from replicator.local_link import LinkError, LocalLink, _is_process
+from replicator.local_link import LinkError, LocalLink, _accept, _peer_credentials
 from replicator.testing import run_replicas
 from replicator.topology import build_process_groups, discover
 
@@ -47,26 +51,50 @@ def test_messages_reach_the_right_exchange_whichever_thread_collects() -> None:
             assert result["collected"][n] == expected, f"rank {rank}, exchange {n}: {result['collected'][n]}"
 
 
-def _peer_leaves() -> tuple[str, float] | None:
+def _peer_leaves() -> tuple[list[bytes], str, float] | None:
     link = LocalLink.connect(_group(), timeout_s=30)
     assert link is not None
     link.barrier()
+    first = link.post(f"{dist.get_rank()}".encode())
     if dist.get_rank() == 2:
-        link.close()  # as a crashed process's sockets close
+        link.collect(first)
+        link.collect(first + 1)  # the others' next message: they have sent it and one more
+        time.sleep(0.3)
+        link.close()  # as a crashed process's sockets close, with a message unread: the peers' sockets reset
         return None
+    second = link.post(b"second")
+    time.sleep(0.1)
+    link.post(b"third")  # arrives while rank 2 sleeps: it leaves with it unread
+    time.sleep(0.5)
+    link.post(b"to nobody")  # rank 2 is gone: noted, not raised
+    completed = link.collect(first)  # rank 2 sent its part before it left
     started = time.monotonic()
     try:
-        link.barrier()
+        link.collect(second)
     except LinkError as error:
-        return str(error), time.monotonic() - started
-    raise AssertionError("a barrier completed without one of its members")
+        return completed, str(error), time.monotonic() - started
+    raise AssertionError("an exchange completed without one of its members")
 
 
-def test_a_peer_that_leaves_is_reported_at_once_not_after_the_timeout() -> None:
+def test_a_peer_that_leaves_completes_what_it_sent_and_is_reported_at_once() -> None:
     results = run_replicas(_peer_leaves, 3, timeout_s=60)
-    for message, seconds in results[:2]:
+    for rank, (completed, message, seconds) in enumerate(results[:2]):
+        assert completed == [b"" if peer == rank else f"{peer}".encode() for peer in range(3)], completed
         assert "rank 2 closed its end" in message, message
         assert seconds < 10, f"reported after {seconds:.1f} s, as if it had waited for the 30 s timeout"
+
+
+def test_messages_sent_before_a_reset_are_still_delivered() -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    link = LocalLink({1: ours}, position=0, ranks=[0, 1], timeout_s=5)
+    for ticket in range(2):
+        theirs.send(struct.pack("<q", ticket) + f"answer {ticket}".encode())
+    link.post(b"left unread")
+    theirs.close()  # with our message unread: the kernel reports a reset before their two messages
+    assert link.collect(0) == [b"", b"answer 0"]
+    assert link.collect(1) == [b"", b"answer 1"]
+    with pytest.raises(LinkError, match="rank 1 closed its end"):
+        link.collect(2)
 
 
 def _one_member_declines() -> bool:
@@ -80,11 +108,36 @@ def test_members_link_all_together_or_none_at_all() -> None:
     assert run_replicas(_one_member_declines, 3, timeout_s=60) == [True, True, True]
 
 
-def test_a_connection_from_another_process_is_refused() -> None:
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    with ours, theirs:
-        assert _is_process(ours, os.getpid())
-        assert not _is_process(ours, os.getpid() + 1)
+def test_connections_from_other_processes_are_closed_unread() -> None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    name = f"\0replicator-test-{os.getpid()}"  # the child is given it without the leading NUL
+    listener.bind(name)
+    listener.listen(4)
+    # An impostor connects first; it must neither take the member's place nor stall the handshake.
+    impostor = subprocess.Popen([sys.executable, "-c", _CONNECT_AND_WAIT, name[1:]], stdout=subprocess.PIPE, text=True)
+    try:
+        assert impostor.stdout is not None and impostor.stdout.readline().strip() == "connected"
+        started = time.monotonic()
+        assert not _accept(listener, {}, {os.getpid() + 10**6: 1}, within_s=0.5)  # the member never comes
+        assert time.monotonic() - started < 5
+        member = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        member.connect(name)
+        peers: dict[int, socket.socket] = {}
+        assert _accept(listener, peers, {os.getpid(): 1}, within_s=5)
+        assert list(peers) == [1] and _peer_credentials(peers[1]) == (os.getpid(), os.getuid())
+        member.close()
+    finally:
+        impostor.kill()
+        listener.close()
+
+
+_CONNECT_AND_WAIT = """
+import socket, sys, time
+peer = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+peer.connect("\\0" + sys.argv[1])
+print("connected", flush=True)
+time.sleep(60)
+"""
 
 
 def _train_through_shared_memory() -> dict[str, Any]:

@@ -169,6 +169,10 @@ class SharedMemorySum:
                 "memory; use reducer='flat', or give the processes of a node one /dev/shm"
             )
 
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+
     def _barrier(self) -> None:
         if self.link is not None:
             self.link.barrier()

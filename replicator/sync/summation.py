@@ -17,7 +17,8 @@ class Summation(Protocol):
     """Sums a tensor in place over the replicas of this stage; returns when done.
 
     A summation may also have `sum_after(tensor, arrival)`, which takes a completed agreement
-    check as its first barrier (see SharedMemorySum); SummationReducer uses it when it exists.
+    check as its first barrier (see SharedMemorySum); SummationReducer uses it when it exists,
+    and calls its `close()`, if it has one, when the reducer closes.
     """
 
     name: str

@@ -140,6 +140,7 @@ class SummationReducer:
 
     def close(self) -> None:
         self._worker.close()
+        getattr(self.summation, "close", lambda: None)()
 
 
 class BucketReducer:
