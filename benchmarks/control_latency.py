@@ -1,0 +1,96 @@
+"""Latency of the small control messages replicator exchanges: Gloo against a LocalLink.
+
+Command (from the repository root; about half a minute on 2 cores):
+
+    .venv/bin/python benchmarks/control_latency.py --json runs/control_latency.json
+
+Every step of `repl.run` makes a few tiny exchanges: the announcement of the next step, the
+gradient sync's agreement check, the shared-memory sum's barrier, a `ctx` collective's check.
+Each is a few dozen bytes, so its cost is all latency. This times, in 2 processes on one
+node, a Gloo barrier and a Gloo all-gather of a 5-integer agreement row (torch's own
+collectives, the peer) against a LocalLink barrier and a LocalLink agreement row
+(`replicator/local_link.py`), interleaved in rounds. Each exchange is timed both back to back
+and after ~1 ms of matrix products, as it comes in a training step, where the two processes
+arrive at slightly different times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from replicator.local_link import LocalLink
+from replicator.testing import run_replicas
+from replicator.topology import build_process_groups, discover
+
+
+def _measure(rounds: int, per_round: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    group = build_process_groups(discover()).control
+    link = LocalLink.connect(group, timeout_s=60)
+    if link is None:
+        raise RuntimeError("no LocalLink could be made between the two processes")
+    row = torch.zeros(5, dtype=torch.int64)
+    rows = [torch.empty_like(row) for _ in range(2)]
+    matrix = torch.randn(160, 160)
+
+    def compute() -> None:
+        for _ in range(8):
+            matrix @ matrix
+
+    contenders: dict[str, Callable[[], None]] = {
+        "gloo barrier": lambda: dist.barrier(group=group),
+        "gloo all_gather (agreement row)": lambda: dist.all_gather(rows, row, group=group),
+        "LocalLink barrier": link.barrier,
+        "LocalLink agreement row": lambda: link.collect(link.post(row.numpy().tobytes())),
+    }
+    samples: dict[str, list[float]] = {f"{name}{suffix}": [] for name in contenders for suffix in ("", " after compute")}
+    for _ in range(rounds):
+        for name, exchange in contenders.items():
+            for after_compute in (False, True):
+                for _ in range(per_round):
+                    if after_compute:
+                        compute()
+                    started = time.perf_counter()
+                    exchange()
+                    samples[f"{name}{' after compute' if after_compute else ''}"].append(time.perf_counter() - started)
+    link.close()
+    return {name: {"median_us": 1e6 * statistics.median(times),
+                   "p90_us": 1e6 * sorted(times)[int(0.9 * len(times))]} for name, times in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds over the contenders")
+    parser.add_argument("--per-round", type=int, default=50, help="exchanges timed per contender per round")
+    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    args = parser.parse_args()
+    load = os.getloadavg()[0]
+    figures = run_replicas(_measure, 2, args.rounds, args.per_round, timeout_s=600)[0]
+    print(f"2 processes on one node, torch {torch.__version__}, {os.cpu_count()} cores, 1-minute load {load:.2f}; "
+          f"{args.rounds} rounds x {args.per_round} exchanges each (rank 0)\n")
+    print("| exchange | median µs | p90 µs | median vs the Gloo peer |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, figure in figures.items():
+        peer = name.replace("LocalLink barrier", "gloo barrier").replace("LocalLink agreement row",
+                                                                          "gloo all_gather (agreement row)")
+        ratio = "(peer)" if peer == name else f"{figures[peer]['median_us'] / figure['median_us']:.1f}x faster"
+        print(f"| {name} | {figure['median_us']:.1f} | {figure['p90_us']:.1f} | {ratio} |")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+                       "load_average_1min": load, "torch": torch.__version__, "rounds": args.rounds,
+                       "per_round": args.per_round, "figures": figures}, handle, indent=2)
+        print(f"\nfigures written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
