@@ -2,10 +2,10 @@
 
 Before a collective whose partners could differ (a user's collective, the first gradient
 bucket of a step, the start of a step), every replica announces what it is about to do, on
-the control group or, among the processes of one node, over a LocalLink. Every announcement has the same size, so mismatched replicas still
-complete the exchange, see that they differ, then swap full intents (operation and call
-site) and raise the same clear error together, instead of hanging or feeding
-wrong-sized buffers to Gloo.
+the control group or, among the processes of one node, over a LocalLink. Every announcement
+has the same size, so mismatched replicas still complete the exchange, see that they
+differ, then swap full intents (operation and call site) and raise the same clear error
+together, instead of hanging or feeding wrong-sized buffers to Gloo.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class Agreement:
     """Exchanges intents on a control group; a no-op for a single replica.
 
     With a `link` (the group's processes share a node) checks travel over it instead of the
-    group's backend, at a tenth of the latency. With `trail` (debug mode) every check also
+    group's backend, at a fifth to a tenth of the latency. With `trail` (debug mode) every check also
     leaves this process's latest intent and call site in the job's store, so that a timeout
     can say where each straggler was.
     """
@@ -117,10 +117,10 @@ class Agreement:
     def start(self, signature: str, site: str = "", values: Sequence[int] = ()) -> "PendingAgreement":
         """Begin the check without waiting, so its latency hides under other work.
 
-        The common case costs one all-gather of a few integers (one message to each peer over
-        a link), a signature hash and the values, from which every replica takes their extremes. Only when the hashes differ do
-        replicas exchange full intents (all of them see the same rows, so all of them take that
-        path together). An all-gather rather than an all-reduce of maxima and minima: a ring
+        The common case costs one all-gather (one message to each peer over a link) of a few
+        integers, a signature hash and the values, from which every replica takes their
+        extremes. Only when the hashes differ do replicas exchange full intents (all of them
+        see the same rows, so all of them take that path together). An all-gather rather than an all-reduce of maxima and minima: a ring
         gathers in N - 1 steps where it reduces in 2(N - 1), and these messages are all latency.
         """
         if self.trail:

@@ -98,19 +98,16 @@ class LocalLink:
                     ready = ready and _peer_credentials(peer) == (pids[lower], os.getuid())
             except OSError:
                 ready = False
-        everyone = torch.tensor([int(ready)])
-        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
-        ready = bool(everyone.item())
-        if ready:
+        if _everyone(ready, group):
             assert listener is not None
             ready = _accept(listener, peers, {pids[higher]: higher for higher in range(position + 1, len(ranks))},
                             timeout_s / 2)
-            everyone = torch.tensor([int(ready)])
-            dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
-            ready = bool(everyone.item())
+            ready = _everyone(ready, group)
+        else:
+            ready = False
         if listener is not None:
             listener.close()
-        if not ready or len(peers) != len(ranks) - 1:
+        if not ready:
             for peer in peers.values():
                 peer.close()
             return None
@@ -210,6 +207,13 @@ class LocalLink:
                 self._received_from[at] = ticket + 1
                 received.append((at, ticket, message[_TICKET.size :]))
         return received
+
+
+def _everyone(ready: bool, group: dist.ProcessGroup) -> bool:
+    """Whether every member is ready: all of them go on to the next phase together, or none."""
+    flag = torch.tensor([int(ready)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def _address(token: int, position: int) -> str:
