@@ -7,9 +7,10 @@ Command (from the repository root; about half a minute on 2 cores):
 Every step of `repl.run` makes a few tiny exchanges: the announcement of the next step, the
 gradient sync's agreement check, the shared-memory sum's barrier, a `ctx` collective's check.
 Each is a few dozen bytes, so its cost is all latency. This times, in 2 processes on one
-node, a Gloo barrier and a Gloo all-gather of a 5-integer agreement row (torch's own
-collectives, the peer) against a LocalLink barrier and a LocalLink agreement row
-(`replicator/local_link.py`), interleaved in rounds. Each exchange is timed both back to back
+node, a Gloo barrier, a Gloo all-gather of a 5-integer agreement row and a Gloo all-reduce of
+a scalar loss (torch's own collectives, the peer) against a LocalLink barrier, a LocalLink
+agreement row (`replicator/local_link.py`) and `all_sum` of the loss over a group with a
+link attached (as `ctx.all_mean(loss)` goes on one node), interleaved in rounds. Each exchange is timed both back to back
 and after ~1 ms of matrix products, as it comes in a training step, where the two processes
 arrive at slightly different times.
 """
@@ -27,6 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from replicator import collectives
 from replicator.local_link import LocalLink
 from replicator.testing import run_replicas
 from replicator.topology import build_process_groups, discover
@@ -38,7 +40,11 @@ def _measure(rounds: int, per_round: int) -> dict[str, Any]:
     link = LocalLink.connect(group, timeout_s=60)
     if link is None:
         raise RuntimeError("no LocalLink could be made between the two processes")
+    data_link = LocalLink.connect(group, timeout_s=60)
+    assert data_link is not None
+    collectives.attach_link(group, data_link)  # what rp.Replicator does for its replica group
     row = torch.zeros(5, dtype=torch.int64)
+    loss = torch.tensor(1.5)
     rows = [torch.empty_like(row) for _ in range(2)]
     matrix = torch.randn(160, 160)
 
@@ -51,6 +57,8 @@ def _measure(rounds: int, per_round: int) -> dict[str, Any]:
         "gloo all_gather (agreement row)": lambda: dist.all_gather(rows, row, group=group),
         "LocalLink barrier": link.barrier,
         "LocalLink agreement row": lambda: link.collect(link.post(row.numpy().tobytes())),
+        "gloo all_reduce (a loss)": lambda: dist.all_reduce(loss.clone(), group=group),
+        "LocalLink all_sum (a loss)": lambda: collectives.all_sum(loss, group),
     }
     samples: dict[str, list[float]] = {f"{name}{suffix}": [] for name in contenders for suffix in ("", " after compute")}
     for _ in range(rounds):
@@ -63,8 +71,14 @@ def _measure(rounds: int, per_round: int) -> dict[str, Any]:
                     exchange()
                     samples[f"{name}{' after compute' if after_compute else ''}"].append(time.perf_counter() - started)
     link.close()
+    collectives.detach_link(group)
+    data_link.close()
     return {name: {"median_us": 1e6 * statistics.median(times),
                    "p90_us": 1e6 * sorted(times)[int(0.9 * len(times))]} for name, times in samples.items()}
+
+
+_PEERS = {"LocalLink barrier": "gloo barrier", "LocalLink agreement row": "gloo all_gather (agreement row)",
+          "LocalLink all_sum (a loss)": "gloo all_reduce (a loss)"}
 
 
 def main() -> None:
@@ -80,8 +94,9 @@ def main() -> None:
     print("| exchange | median µs | p90 µs | median vs the Gloo peer |")
     print("| --- | ---: | ---: | ---: |")
     for name, figure in figures.items():
-        peer = name.replace("LocalLink barrier", "gloo barrier").replace("LocalLink agreement row",
-                                                                          "gloo all_gather (agreement row)")
+        peer = name
+        for ours, theirs in _PEERS.items():
+            peer = peer.replace(ours, theirs)
         ratio = "(peer)" if peer == name else f"{figures[peer]['median_us'] / figure['median_us']:.1f}x faster"
         print(f"| {name} | {figure['median_us']:.1f} | {figure['p90_us']:.1f} | {ratio} |")
     if args.json:

@@ -13,9 +13,64 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_sum", "all_mean", "all_max", "all_min", "all_gather", "broadcast", "reduce_scatter", "group_size"]
+from replicator.local_link import LocalLink
+
+__all__ = ["all_sum", "all_mean", "all_max", "all_min", "all_gather", "broadcast", "reduce_scatter", "group_size",
+           "attach_link", "detach_link"]
 
 Group = dist.ProcessGroup | None
+
+# Host tensors up to this size (a loss, batch-norm statistics) go over a group's LocalLink when
+# it has one: one message to each peer, ten times faster than a Gloo collective. Larger ones
+# stay on the backend, whose bandwidth is better and whose buffers are not bounded by a socket's.
+LINK_BYTES = 64 << 10
+_links: dict[dist.ProcessGroup, LocalLink] = {}
+
+
+def attach_link(group: dist.ProcessGroup, link: LocalLink) -> None:
+    """Send small host tensors of `group`'s collectives over `link` (same members, same order)."""
+    _links[group] = link
+
+
+def detach_link(group: dist.ProcessGroup) -> None:
+    _links.pop(group, None)
+
+
+def _link_for(group: Group, tensor: torch.Tensor) -> LocalLink | None:
+    if group is None or tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() > LINK_BYTES:
+        return None
+    return _links.get(group)
+
+
+def _exchange(link: LocalLink, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every member's `tensor` over the link, in group order (same shape and dtype everywhere:
+    the caller's agreement check, or the symmetric autograd graph, guarantees it)."""
+    flat = tensor.detach().reshape(-1).contiguous()
+    payloads = link.collect(link.post(flat.view(torch.uint8).numpy().tobytes()))
+    return [tensor.detach() if at == link.position else
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
+            for at, payload in enumerate(payloads)]
+
+
+_COMBINE = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum}
+
+
+def _reduce_rows(rows: list[torch.Tensor], op: Any) -> torch.Tensor:
+    """Rows combined in group order on every member, so every member gets the same bits."""
+    combine = _COMBINE[op]
+    result = rows[0].clone(memory_format=torch.contiguous_format)
+    for row in rows[1:]:
+        combine(result, row, out=result)
+    return result
+
+
+def _all_gather_into(parts: list[torch.Tensor], tensor: torch.Tensor, group: Group) -> None:
+    link = _link_for(group, tensor)
+    if link is None:
+        dist.all_gather(parts, tensor, group=group)
+        return
+    for part, row in zip(parts, _exchange(link, tensor)):
+        part.copy_(row)
 
 
 def group_size(group: Group) -> int:
@@ -27,6 +82,9 @@ def _group_rank(group: Group) -> int:
 
 
 def _summed(tensor: torch.Tensor, group: Group, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+    link = _link_for(group, tensor)
+    if link is not None:
+        return _reduce_rows(_exchange(link, tensor), op)
     result = tensor.detach().clone(memory_format=torch.contiguous_format)
     if group is not None:
         dist.all_reduce(result, op=op, group=group)
@@ -68,7 +126,7 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group, ctx.length = group, tensor.shape[0]
         parts = [torch.empty_like(tensor) for _ in range(group_size(group))]
-        dist.all_gather(parts, tensor.detach().contiguous(), group=group)
+        _all_gather_into(parts, tensor.detach().contiguous(), group)
         return torch.cat(parts, dim=0)
 
     @staticmethod
@@ -81,6 +139,9 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, group: Group, source: int) -> torch.Tensor:
         ctx.group, ctx.source = group, source
+        link = _link_for(group, tensor)
+        if link is not None:
+            return _exchange(link, tensor)[source].clone(memory_format=torch.contiguous_format)
         result = tensor.detach().clone(memory_format=torch.contiguous_format)
         dist.broadcast(result, src=dist.get_global_rank(group, source), group=group)
         return result
@@ -107,7 +168,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         parts = [torch.empty_like(grad) for _ in range(group_size(ctx.group))]
-        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        _all_gather_into(parts, grad.contiguous(), ctx.group)
         return torch.cat(parts, dim=0), None
 
 

@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules import module as module_hooks
 
+from replicator import collectives
 from replicator.agreement import Agreement, PendingAgreement
-from replicator.local_link import LocalLink
 from replicator.context import InputContext, ReplicaContext, set_active_context
 from replicator.errors import ReplicaMismatchError, ReplicatorUsageError
 from replicator.health import NONFINITE_POLICIES, NonFiniteError, OutputCheck, require_identical
 from replicator.inputs import ReplicatedInput, batch_size_of
+from replicator.local_link import LocalLink
 from replicator.sync.reducers import Reducer, make_reducer
 from replicator.sync.synchronizer import GradientSynchronizer
 from replicator.telemetry import Progress, StepTimes, breakdown_table
@@ -114,6 +115,11 @@ class Replicator:
         self.replica_agreement = Agreement(self.groups.replica_control, self.debug,
                                            LocalLink.connect(self.groups.replica_control, timeout_s))
         self.context = ReplicaContext(self.replica_id, self.num_replicas, self.groups.replica, self.replica_agreement)
+        # A third link, for the data of small ctx collectives: kept apart from the checks, whose
+        # order relative to collectives in a backward pass need not match across replicas.
+        self._data_link = LocalLink.connect(self.groups.replica, timeout_s) if self.groups.replica is not None else None
+        if self._data_link is not None:
+            collectives.attach_link(self.groups.replica, self._data_link)
         set_active_context(self.context)
         self._times = StepTimes()
         self.context.on_wait = lambda seconds: self._times.add_communication(seconds)
@@ -673,9 +679,11 @@ class Replicator:
                     dist.barrier(group=self.groups.control)
             dist.destroy_process_group()
             self._created_process_group = False
-        for agreement in (self.agreement, self.replica_agreement):
-            if agreement.link is not None:
-                agreement.link.close()
+        if self._data_link is not None:
+            collectives.detach_link(self.groups.replica)  # type: ignore[arg-type]
+        for link in (self.agreement.link, self.replica_agreement.link, self._data_link):
+            if link is not None:
+                link.close()
 
 
 class _Scope:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import replicator as rp
+from replicator import collectives
 from replicator.testing import run_replicas
 
 
@@ -21,6 +22,10 @@ def collective_results() -> dict[str, torch.Tensor]:
         "gather": ctx.all_gather(mine.view(1, 2)),
         "broadcast": ctx.broadcast(mine, source=n - 1),
         "reduce_scatter": ctx.reduce_scatter(torch.arange(2.0 * n) * (r + 1)),
+        # Past the size that travels over a LocalLink: the backend's path, in the same run.
+        "large_sum": ctx.all_sum(torch.full((collectives.LINK_BYTES // 4 + 1,), r + 1.0)),
+        "integer_sum": ctx.all_sum(torch.tensor([r, 2**40 + r])),
+        "linked": repl._data_link is not None,
     }
     # Gradients of the total loss Σ_r L_r with L_r = (r+1)·Σ collective(x_r).
     weight = r + 1.0
@@ -33,12 +38,15 @@ def collective_results() -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_collectives_forward_and_backward(n: int) -> None:
-    results = run_replicas(collective_results, n)
+@pytest.mark.parametrize("n, link", [(2, "1"), (4, "1"), (2, "0")], ids=["2-link", "4-link", "2-gloo"])
+def test_collectives_forward_and_backward(n: int, link: str) -> None:
+    results = run_replicas(collective_results, n, env={"REPLICATOR_LOCAL_LINK": link})
     values = torch.stack([torch.tensor([r + 1.0, 10.0 * (r + 1)]) for r in range(n)])
     total_weight = n * (n + 1) / 2  # Σ_r (r+1)
     for r, got in enumerate(results):
+        assert got["linked"] == (link == "1")
+        assert torch.equal(got["large_sum"], torch.full_like(got["large_sum"], total_weight))
+        assert torch.equal(got["integer_sum"], torch.tensor([n * (n - 1) // 2, n * 2**40 + n * (n - 1) // 2]))
         assert torch.equal(got["sum"], values.sum(0))
         assert torch.allclose(got["mean"], values.mean(0))
         assert torch.equal(got["max"], values[-1])
