@@ -20,33 +20,42 @@ __all__ = ["all_sum", "all_mean", "all_max", "all_min", "all_gather", "broadcast
 
 Group = dist.ProcessGroup | None
 
-# Host tensors up to this size (a loss, batch-norm statistics) go over a group's LocalLink when
-# it has one: one message to each peer, ten times faster than a Gloo collective. Larger ones
-# stay on the backend, whose bandwidth is better and whose buffers are not bounded by a socket's.
-LINK_BYTES = 64 << 10
+# Host tensors up to a link's largest message (a loss, batch-norm statistics) go over a group's
+# LocalLink when it has one: one message to each peer, several times faster than a Gloo
+# collective. Larger ones stay on the backend, whose bandwidth is better.
+LINK_BYTES = LocalLink.MAX_PAYLOAD
 _links: dict[dist.ProcessGroup, LocalLink] = {}
 
 
 def attach_link(group: dist.ProcessGroup, link: LocalLink) -> None:
-    """Send small host tensors of `group`'s collectives over `link` (same members, same order)."""
+    """Send small host tensors of `group`'s collectives over `link`: its members must be the
+    group's, in the group's order. Every member must then pass tensors of one size, device and
+    layout to each collective (as Gloo needs anyway), so that all of them take the same path."""
     _links[group] = link
 
 
-def detach_link(group: dist.ProcessGroup) -> None:
-    _links.pop(group, None)
+def detach_link(group: dist.ProcessGroup, link: LocalLink) -> None:
+    if _links.get(group) is link:
+        del _links[group]
 
 
 def _link_for(group: Group, tensor: torch.Tensor) -> LocalLink | None:
-    if group is None or tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() > LINK_BYTES:
+    if (group is None or tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.numel() == 0
+            or tensor.numel() * tensor.element_size() > LINK_BYTES):
         return None
     return _links.get(group)
 
 
 def _exchange(link: LocalLink, tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Every member's `tensor` over the link, in group order (same shape and dtype everywhere:
-    the caller's agreement check, or the symmetric autograd graph, guarantees it)."""
-    flat = tensor.detach().reshape(-1).contiguous()
-    payloads = link.collect(link.post(flat.view(torch.uint8).numpy().tobytes()))
+    """Every member's `tensor` over the link, in group order."""
+    flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1).contiguous()
+    mine = flat.view(torch.uint8).numpy().tobytes()
+    payloads = link.collect(link.post(mine))
+    sizes = [len(mine) if at == link.position else len(payload) for at, payload in enumerate(payloads)]
+    if len(set(sizes)) > 1:
+        raise RuntimeError(f"replicas passed tensors of different sizes to one collective ({sizes} bytes in replica "
+                           f"order; this replica's has shape {tuple(tensor.shape)} and dtype {tensor.dtype}): every "
+                           "replica must pass the same shape and dtype")
     return [tensor.detach() if at == link.position else
             torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
             for at, payload in enumerate(payloads)]

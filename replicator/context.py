@@ -76,7 +76,9 @@ class ReplicaContext:
         if self.num_replicas == 1:
             return
         self._sequence += 1
-        signature = f"ctx.{operation}#{self._sequence} shape={tuple(tensor.shape)} dtype={tensor.dtype}{detail}"
+        # The device too: a host tensor may travel over the node's link where a GPU one takes NCCL.
+        signature = (f"ctx.{operation}#{self._sequence} shape={tuple(tensor.shape)} dtype={tensor.dtype} "
+                     f"device={tensor.device.type}{detail}")
         self._agreement.require_same(signature, call_site())
 
     def _call(self, operation: str, tensor: torch.Tensor, *args: Any, detail: str = "") -> torch.Tensor:

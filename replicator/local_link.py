@@ -24,7 +24,6 @@ __all__ = ["LocalLink", "LinkError"]
 
 _TICKET = struct.Struct("<q")
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
-_RECEIVE_BYTES = 4096  # messages are a few dozen bytes
 _DISABLE_VARIABLE = "REPLICATOR_LOCAL_LINK"
 
 
@@ -42,6 +41,8 @@ class LocalLink:
     A kernel socket hands over data with a lock on each side, so whatever a peer wrote (into
     shared memory, say) before it posted is visible to the one that collected its message.
     """
+
+    MAX_PAYLOAD = 64 << 10  # bytes a message may carry; messages of agreement checks carry 40
 
     def __init__(self, peers: dict[int, socket.socket], position: int, ranks: list[int], timeout_s: float) -> None:
         self.position, self.size, self.ranks, self.timeout_s = position, len(ranks), ranks, timeout_s
@@ -93,7 +94,7 @@ class LocalLink:
                 for lower in range(position):
                     peer = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                     peers[lower] = peer
-                    peer.settimeout(timeout_s)
+                    peer.settimeout(timeout_s / 4)  # a full backlog must not outlast the group's timeout
                     peer.connect(_address(int(token), lower))
                     ready = ready and _peer_credentials(peer) == (pids[lower], os.getuid())
             except OSError:
@@ -112,8 +113,9 @@ class LocalLink:
                 peer.close()
             return None
         for peer in peers.values():
-            # Reads wait in poll() against the link's own deadline. A send never waits: members are at
-            # most a few messages apart, and the kernel's buffer holds hundreds.
+            # Reads wait in poll() against the link's own deadline. A send does not wait: the checks'
+            # members are a few messages of 48 bytes apart, and the data of small collectives is
+            # collected before the next is posted (one message of at most 64 KiB per peer).
             peer.setblocking(True)
         return cls(peers, position, ranks, timeout_s)
 
@@ -128,6 +130,8 @@ class LocalLink:
     def post(self, payload: bytes = b"") -> int:
         """Send `payload` to every peer; the ticket to collect their answers with. Raises nothing:
         a peer that has left is reported by the exchanges it can no longer complete."""
+        if len(payload) > self.MAX_PAYLOAD:
+            raise ValueError(f"a LocalLink message carries at most {self.MAX_PAYLOAD} bytes, got {len(payload)}")
         with self._sending:
             ticket = self._posted
             self._posted += 1
@@ -135,7 +139,7 @@ class LocalLink:
             for peer in self._peers.values():
                 try:
                     peer.sendall(message, socket.MSG_NOSIGNAL)  # EPIPE, not a fatal SIGPIPE
-                except OSError:
+                except (BrokenPipeError, ConnectionResetError):
                     pass  # it left: reading its socket gives what it sent before, then its end
         return ticket
 
@@ -165,30 +169,33 @@ class LocalLink:
                     continue
                 self._reading = True
                 self._state.release()
+                received: list[tuple[int, int, bytes]] = []
+                departed: dict[int, LinkError] = {}
                 try:
-                    received = self._read(remaining)
+                    received = self._read(remaining, departed)
                 finally:
                     self._state.acquire()
                     self._reading = False
                     self._state.notify_all()
                 for at, sent, payload in received:
                     self._inbox.setdefault(sent, {})[at] = payload
+                self._departed.update(departed)
 
     def barrier(self) -> None:
         """Return once every member has reached this barrier."""
         self.collect(self.post())
 
-    def _read(self, timeout_s: float) -> list[tuple[int, int, bytes]]:
+    def _read(self, timeout_s: float, departed: dict[int, LinkError]) -> list[tuple[int, int, bytes]]:
         """(position, ticket, payload) of the messages waiting on any peer's socket, after
         waiting up to `timeout_s` for the first. Called by one thread at a time, without the
-        state lock. A peer that left is recorded in `_departed` once its last message is read."""
+        state lock. A peer that left goes into `departed` once its last message is read."""
         received = []
         for descriptor, _ in self._poller.poll(max(1, int(timeout_s * 1000))):
             at = self._position_of[descriptor]
             reset = False
             while True:
                 try:
-                    message = self._peers[at].recv(_RECEIVE_BYTES, socket.MSG_DONTWAIT)
+                    message = self._peers[at].recv(_TICKET.size + self.MAX_PAYLOAD, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     break
                 except ConnectionResetError:
@@ -198,9 +205,11 @@ class LocalLink:
                         reset = True
                         continue
                     message = b""  # reported again: nothing more will come
+                except OSError as error:  # this process closed the link under a reading thread
+                    raise LinkError(f"the link to rank {self.ranks[at]} failed: {error}") from error
                 if not message:
                     self._poller.unregister(descriptor)
-                    self._departed[at] = LinkError(f"rank {self.ranks[at]} closed its end of the link "
+                    departed[at] = LinkError(f"rank {self.ranks[at]} closed its end of the link "
                                                    "(it exited or crashed)")
                     break
                 (ticket,) = _TICKET.unpack_from(message)

@@ -116,9 +116,14 @@ class Replicator:
                                            LocalLink.connect(self.groups.replica_control, timeout_s))
         self.context = ReplicaContext(self.replica_id, self.num_replicas, self.groups.replica, self.replica_agreement)
         # A third link, for the data of small ctx collectives: kept apart from the checks, whose
-        # order relative to collectives in a backward pass need not match across replicas.
-        self._data_link = LocalLink.connect(self.groups.replica, timeout_s) if self.groups.replica is not None else None
+        # order relative to collectives in a backward pass need not match across replicas. It is
+        # made over the replicas' Gloo control group (the replica group may be NCCL, which cannot
+        # carry the set-up's host tensors), whose members are the same in the same order.
+        self._data_link = None
+        if self.groups.replica is not None and self.groups.replica_control is not None:
+            self._data_link = LocalLink.connect(self.groups.replica_control, timeout_s)
         if self._data_link is not None:
+            assert self._data_link.ranks == dist.get_process_group_ranks(self.groups.replica)
             collectives.attach_link(self.groups.replica, self._data_link)
         set_active_context(self.context)
         self._times = StepTimes()
@@ -671,6 +676,12 @@ class Replicator:
         for wrapped in self._wrapped:
             wrapped.synchronizer.remove()
         getattr(self.reducer, "close", lambda: None)()
+        if self._data_link is not None:
+            collectives.detach_link(self.groups.replica, self._data_link)  # type: ignore[arg-type]
+        # A peer still collecting this replica's last messages reads them before it sees the close.
+        for link in (self.agreement.link, self.replica_agreement.link, self._data_link):
+            if link is not None:
+                link.close()
         if self._created_process_group and dist.is_initialized():
             # Tear down together: a replica that closes its sockets while a peer is still
             # finishing its last collective can make that peer abort at exit.
@@ -679,11 +690,6 @@ class Replicator:
                     dist.barrier(group=self.groups.control)
             dist.destroy_process_group()
             self._created_process_group = False
-        if self._data_link is not None:
-            collectives.detach_link(self.groups.replica)  # type: ignore[arg-type]
-        for link in (self.agreement.link, self.replica_agreement.link, self._data_link):
-            if link is not None:
-                link.close()
 
 
 class _Scope:

@@ -24,6 +24,9 @@ def collective_results() -> dict[str, torch.Tensor]:
         "reduce_scatter": ctx.reduce_scatter(torch.arange(2.0 * n) * (r + 1)),
         # Past the size that travels over a LocalLink: the backend's path, in the same run.
         "large_sum": ctx.all_sum(torch.full((collectives.LINK_BYTES // 4 + 1,), r + 1.0)),
+        "largest_linked_sum": ctx.all_sum(torch.full((collectives.LINK_BYTES // 4,), r + 1.0)),
+        "gather_8k": ctx.all_gather(torch.full((1, 2048), r + 1.0)),
+        "empty_sum": ctx.all_sum(torch.empty(0, 3)),
         "integer_sum": ctx.all_sum(torch.tensor([r, 2**40 + r])),
         "linked": repl._data_link is not None,
     }
@@ -46,6 +49,9 @@ def test_collectives_forward_and_backward(n: int, link: str) -> None:
     for r, got in enumerate(results):
         assert got["linked"] == (link == "1")
         assert torch.equal(got["large_sum"], torch.full_like(got["large_sum"], total_weight))
+        assert torch.equal(got["largest_linked_sum"], torch.full_like(got["largest_linked_sum"], total_weight))
+        assert torch.equal(got["gather_8k"], torch.arange(1.0, n + 1).view(n, 1).expand(n, 2048))
+        assert got["empty_sum"].shape == (0, 3)
         assert torch.equal(got["integer_sum"], torch.tensor([n * (n - 1) // 2, n * 2**40 + n * (n - 1) // 2]))
         assert torch.equal(got["sum"], values.sum(0))
         assert torch.allclose(got["mean"], values.mean(0))
@@ -66,6 +72,20 @@ def test_collectives_forward_and_backward(n: int, link: str) -> None:
         # Reduce-scatter: each output slice q is weighted by w_q, and every replica's input feeds it.
         expected = torch.cat([torch.full((2,), q + 1.0) for q in range(n)])
         assert torch.allclose(got["grad_reduce_scatter"], expected)
+
+
+def _gathers_of_different_lengths() -> str:
+    repl = rp.Replicator()
+    try:
+        collectives.all_gather(torch.ones(repl.replica_id + 1), repl.groups.replica)
+    except RuntimeError as error:
+        return str(error)
+    raise AssertionError("tensors of different sizes were gathered")
+
+
+def test_tensors_of_different_sizes_raise_on_every_replica() -> None:
+    for message in run_replicas(_gathers_of_different_lengths, 2):
+        assert "different sizes" in message and "same shape and dtype" in message, message
 
 
 def test_single_replica_collectives_are_identity() -> None:

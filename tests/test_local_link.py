@@ -97,6 +97,17 @@ def test_messages_sent_before_a_reset_are_still_delivered() -> None:
         link.collect(2)
 
 
+def test_a_message_too_large_for_the_link_is_refused_where_it_is_sent() -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with ours, theirs:
+        link = LocalLink({1: ours}, position=0, ranks=[0, 1], timeout_s=5)
+        with pytest.raises(ValueError, match="at most"):
+            link.post(bytes(LocalLink.MAX_PAYLOAD + 1))
+        link.post(bytes(LocalLink.MAX_PAYLOAD))  # the largest fits whole
+        theirs.send(struct.pack("<q", 0) + bytes(LocalLink.MAX_PAYLOAD))
+        assert link.collect(0) == [b"", bytes(LocalLink.MAX_PAYLOAD)]
+
+
 def _one_member_declines() -> bool:
     group = _group()
     if dist.get_rank() == 1:
