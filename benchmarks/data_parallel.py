@@ -51,10 +51,17 @@ class Config:
     reducers: tuple[str, ...] = ("auto", "flat")
     lr: float = 0.01
     seed: int = 0
+    model: str = "mlp"  # or "resnet": the demo's ResNet on 32x32 single-channel images
+    ceiling: bool = False  # also time 2 processes that train alone, never communicating
 
 
 def make_model(config: Config) -> torch.nn.Module:
-    """An MLP of ~8.4 M parameters: enough compute per step that overheads show as a share, not noise."""
+    """An MLP of ~8.4 M parameters (enough compute per step that overheads show as a share, not
+    noise), or the demo's ResNet (0.2 M parameters, convolutions and batch norm)."""
+    if config.model == "resnet":
+        from replicator.demo.digits import ResNet
+
+        return ResNet(num_classes=config.classes)
     return torch.nn.Sequential(
         torch.nn.Linear(config.features, config.hidden),
         torch.nn.ReLU(),
@@ -69,9 +76,10 @@ def make_model(config: Config) -> torch.nn.Module:
 def make_batches(config: Config, shard: int) -> list[Batch]:
     """This shard's fixed batches: the same on every call, different between shards."""
     generator = torch.Generator().manual_seed(1000 * config.seed + shard)
+    shape = (config.batch, 1, 32, 32) if config.model == "resnet" else (config.batch, config.features)
     return [
         (
-            torch.randn(config.batch, config.features, generator=generator),
+            torch.randn(*shape, generator=generator),
             torch.randint(0, config.classes, (config.batch,), generator=generator),
         )
         for _ in range(config.distinct_batches)
@@ -184,6 +192,9 @@ def _threads(config: Config) -> None:
     torch.set_num_threads(config.threads)
 
 
+NO_COMMUNICATION = "2 processes, no communication"
+
+
 def two_process_job(config: Config) -> dict[str, Any]:
     """One of the 2 processes: replicator (each reducer and loop) and DDP take turns on identical model copies."""
     _threads(config)
@@ -211,6 +222,10 @@ def two_process_job(config: Config) -> dict[str, Any]:
         Contender(name, model, batches, _replicator_runner(repl, model, optimizer, loop))
         for name, (repl, loop, model, optimizer) in replicas.items()
     ]
+    if config.ceiling:
+        alone = make_model(config)
+        alone.load_state_dict(reference.state_dict())
+        contenders.append(Contender(NO_COMMUNICATION, alone, batches, _plain_runner(alone, make_optimizer(alone, config))))
     contenders.append(Contender("torch DDP", ddp_model, batches, _plain_runner(ddp, make_optimizer(ddp, config))))
 
     def slowest(seconds: float) -> float:
@@ -223,7 +238,9 @@ def two_process_job(config: Config) -> dict[str, Any]:
 
     checks: dict[str, float] = {}
     ddp_flat = _flat_parameters(ddp_model)
-    for contender in contenders[:-1]:
+    for contender in contenders:
+        if not contender.name.startswith("replicator"):
+            continue
         mine = _flat_parameters(contender.model)
         checks[f"{contender.name} vs torch DDP: max |diff|"] = float((mine - ddp_flat).abs().max())
         first = mine.clone()
@@ -297,6 +314,23 @@ def _table(title: str, figures: dict[str, dict[str, list[float]]], peer: str, sa
     return lines
 
 
+def _describe(config: Config) -> str:
+    if config.model == "resnet":
+        return "the demo's ResNet (2 basic blocks per stage, 16-32-64 channels) on 1x32x32 images"
+    return f"MLP {config.features}-{config.hidden}-{config.hidden}-{config.features}-{config.classes}"
+
+
+def _against_ceiling(figures: dict[str, dict[str, list[float]]]) -> list[str]:
+    """Each synchronizing contender as a share of processes that never communicate, paired per repetition."""
+    ceiling = figures[NO_COMMUNICATION]["rate"]
+    lines = ["", f"Share of '{NO_COMMUNICATION}' (median paired ratio; the efficiency left after communication):"]
+    for name, figure in figures.items():
+        if name != NO_COMMUNICATION:
+            share = statistics.median(r / c for r, c in zip(figure["rate"], ceiling))
+            lines.append(f"  {name}: {share:.3f}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=Config.repeats, help="interleaved repetitions per contender")
@@ -304,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=Config.warmup, help="untimed steps before each timed phase")
     parser.add_argument("--batch", type=int, default=Config.batch, help="samples per replica per step")
     parser.add_argument("--hidden", type=int, default=Config.hidden, help="MLP width (parameters grow as its square)")
+    parser.add_argument("--model", choices=("mlp", "resnet"), default=Config.model,
+                        help="the MLP, or the demo's ResNet on 32x32 images (batch 128 is the demo's)")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also time 2 processes training alone, never communicating: the most any contender can reach")
     parser.add_argument("--threads", type=int, default=Config.threads, help="torch threads per process")
     parser.add_argument("--loop", choices=("run", "step_fn", "both"), default="both",
                         help="drive replicator with repl.run(progress=False), by calling step_fn directly, or both")
@@ -316,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats, --steps and --batch must be positive and --warmup non-negative")
     config = Config(
         repeats=options.repeats, steps=options.steps, warmup=options.warmup, batch=options.batch,
-        hidden=options.hidden, threads=options.threads,
+        hidden=options.hidden, threads=options.threads, model=options.model, ceiling=options.ceiling,
         loops=("run", "step_fn") if options.loop == "both" else (options.loop,),
         reducers=tuple(name.strip() for name in options.reducers.split(",") if name.strip()),
     )
@@ -324,8 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"replicator {rp.__version__}, torch {torch.__version__}, {os.cpu_count()} CPU cores, "
         f"{platform.processor() or platform.machine()}\n"
-        f"MLP {config.features}-{config.hidden}-{config.hidden}-{config.features}-{config.classes} "
-        f"({parameters / 1e6:.1f} M parameters), batch {config.batch} per replica, {config.threads} thread(s) per "
+        f"{_describe(config)} ({parameters / 1e6:.1f} M parameters), batch {config.batch} per replica, {config.threads} thread(s) per "
         f"process, {config.repeats} repetitions x {config.steps} timed steps (+{config.warmup} warm-up), "
         f"replicator driven by: {', '.join('repl.run(progress=False)' if loop == 'run' else 'step_fn called directly' for loop in config.loops)}",
         flush=True,
@@ -349,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         lines += _table(f"2 processes ({first['backend']}, 127.0.0.1), global batch {2 * config.batch}:",
                         first["figures"], "torch DDP", 2 * config.batch)
+        if config.ceiling:
+            lines += _against_ceiling(first["figures"])
         for result in results:
             for name, value in result["checks"].items():
                 lines.append(f"  check, rank {result['rank']}: {name} = {value:.3g}")

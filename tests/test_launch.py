@@ -30,19 +30,20 @@ SCRIPT = textwrap.dedent(
     if "--fail" in sys.argv and repl.replica_id == 1:
         raise SystemExit("replica 1 fails on purpose")
     out = {"replica": repl.replica_id, "replicas": repl.num_replicas, "threads": torch.get_num_threads(),
-           "losses": losses, "weight": model.weight.tolist()}
+           "losses": losses, "weight": model.weight.tolist(),
+           "heap": [os.environ.get(name) for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")]}
     with open(os.path.join(sys.argv[1], f"out{repl.replica_id}.json"), "w") as handle:
         json.dump(out, handle)
     """
 )
 
 
-def launch(tmp_path: Path, *extra: str, replicas: int = 2) -> subprocess.CompletedProcess:
+def launch(tmp_path: Path, *extra: str, replicas: int = 2, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     command = [sys.executable, "-m", "replicator.cli", "launch", "-n", str(replicas), str(script), str(tmp_path), *extra]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, env={"REPLICATOR_PROGRESS": "0",
-                          "PATH": "/usr/bin:/bin"})
+                          "PATH": "/usr/bin:/bin", **(env or {})})
 
 
 def test_launch_runs_replicas_that_agree(tmp_path: Path) -> None:
@@ -53,6 +54,15 @@ def test_launch_runs_replicas_that_agree(tmp_path: Path) -> None:
     assert outputs[0]["weight"] == outputs[1]["weight"]
     assert outputs[0]["losses"] == outputs[1]["losses"]
     assert all(o["threads"] == max(1, (os.cpu_count() or 1) // 2) for o in outputs), "cores shared evenly"
+
+
+def test_replicas_keep_their_heap_unless_the_user_set_the_allocator(tmp_path: Path) -> None:
+    assert launch(tmp_path).returncode == 0
+    kept = [json.loads((tmp_path / f"out{r}.json").read_text())["heap"] for r in range(2)]
+    assert kept == [[str(1 << 30), str(1 << 30)]] * 2
+    result = launch(tmp_path, env={"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [json.loads((tmp_path / f"out{r}.json").read_text())["heap"] for r in range(2)] == [[None, None]] * 2
 
 
 def test_launch_reports_a_failing_replica(tmp_path: Path) -> None:
