@@ -68,7 +68,9 @@ def scalar_of(output: Any) -> float | None:
 
 
 class Progress:
-    """A rich progress bar (step, loss, samples/s, ETA), refreshed a few times a second."""
+    """A rich progress bar (step, loss, samples/s, ETA), redrawn twice a second."""
+
+    REDRAW_S = 0.5
 
     def __init__(self, total: int | None, enabled: bool, description: str = "training") -> None:
         self.enabled = enabled
@@ -88,6 +90,9 @@ class Progress:
             TextColumn("{task.fields[rate]} samples/s"),
             TimeRemainingColumn(),
             transient=not sys.stdout.isatty(),
+            # No refresh thread: on a machine whose cores all train, its redraws would be taken
+            # from a replica's core. update() redraws at most every REDRAW_S, between steps.
+            auto_refresh=False,
         )
         self._task = self._bar.add_task(description, total=total, loss="-", rate="-")
         self._bar.start()
@@ -97,7 +102,7 @@ class Progress:
         if not self.enabled:
             return
         now = time.perf_counter()
-        if now - self._last_update < 0.2:
+        if now - self._last_update < self.REDRAW_S:
             self._bar.update(self._task, completed=step)
             return
         self._last_update = now
@@ -109,6 +114,7 @@ class Progress:
             loss="-" if loss is None or math.isnan(loss) else f"{loss:.4f}",
             rate=f"{rate:,.0f}",
         )
+        self._bar.refresh()
 
     def close(self) -> None:
         if self.enabled:
