@@ -215,10 +215,11 @@ class Replicator:
                 )
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Make `optimizer.step()` average gradients across replicas before it updates.
+        """Average the optimizer's gradients across replicas before it updates.
 
-        Returns the same optimizer object (so LR schedulers and state_dict work as usual);
-        its reductions start during backward, bucket by bucket.
+        Returns the same optimizer object (so LR schedulers and state_dict work as usual).
+        Reductions start during backward, bucket by bucket, and the backward pass ends with
+        the averages in `.grad`; `step()` averages whatever no backward pass reached.
         """
         if self._scope is None:
             raise ReplicatorUsageError(
@@ -289,7 +290,7 @@ class Replicator:
             replica=self.replica_id, no_sync=self.no_sync,
         )
         if self.num_replicas > 1:
-            _fail_together(stage, self.agreement)
+            _fail_together(stage, self.agreement, lambda: [wrapped.synchronizer for wrapped in self._wrapped])
         self._stages.append(stage)
         return stage
 
@@ -775,23 +776,32 @@ def _synchronized_closure(repl: Replicator, synchronizer: GradientSynchronizer, 
     return synchronized
 
 
-def _fail_together(stage: Any, agreement: Agreement) -> None:
+def _fail_together(stage: Any, agreement: Agreement, synchronizers: Callable[[], list[GradientSynchronizer]]) -> None:
     """Make a pipeline step that fails on one replica fail on every replica.
 
     A stage's failure reaches the other stages of its own replica; without this, the other
-    replicas would wait in gradient averaging until the timeout.
+    replicas would wait in gradient averaging until the timeout. So the averaging that the
+    step's last backward would end with waits until every replica has said how its step went.
     """
     from replicator.pipeline import PipelineError
 
     train_step = stage.train_step
 
     def train_step_everywhere(*args: Any, **kwargs: Any) -> Any:
+        waiting = synchronizers()
+        for synchronizer in waiting:
+            synchronizer.defer_finalize = True
         try:
             loss = train_step(*args, **kwargs)
         except PipelineError as error:
             agreement.require_same(f"pipeline train_step failed: {error}"[:200])
             raise  # every replica failed alike: its own error says it best
+        finally:
+            for synchronizer in waiting:
+                synchronizer.defer_finalize = False
         agreement.require_same("pipeline train_step succeeded")
+        for synchronizer in waiting:
+            synchronizer.finalize_deferred()
         return loss
 
     stage.train_step = train_step_everywhere

@@ -12,7 +12,8 @@ from replicator.testing import run_replicas
 GLOBAL_BATCH = 16
 STEPS = 3
 ATOL = 1e-5
-CASES = ["sgd", "adam", "accumulate", "unused", "frozen", "batchnorm", "clip_schedule", "gan", "two_backwards"]
+CASES = ["sgd", "adam", "accumulate", "unused", "frozen", "batchnorm", "clip_schedule", "torch_clip", "gan",
+         "two_backwards"]
 
 
 class WithUnused(torch.nn.Module):
@@ -102,7 +103,7 @@ def reference(case: str) -> list[torch.Tensor]:
             continue
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        if case == "clip_schedule":
+        if case in ("clip_schedule", "torch_clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         optimizer.step()
         if case == "clip_schedule":
@@ -153,6 +154,8 @@ def replicated(case: str) -> list[torch.Tensor]:
         loss.backward()
         if case == "clip_schedule":
             repl.clip_grad_norm_(model.parameters(), 0.05)
+        if case == "torch_clip":  # the single-device code, unchanged: backward() left the averages in .grad
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         optimizer.step()
         if case == "clip_schedule":
             scheduler.step()

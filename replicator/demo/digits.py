@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         images, labels = batch
         loss = F.cross_entropy(model(images), labels)
         optimizer.zero_grad()
-        loss.backward()  # gradient all-reduce starts here, bucket by bucket
-        optimizer.step()  # waits for the last bucket, then updates
+        loss.backward()  # all-reduces gradients bucket by bucket; ends with their average
+        optimizer.step()  # updates, as on one device
         scheduler.step()
         return ctx.all_mean(loss.detach())
 

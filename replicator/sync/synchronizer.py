@@ -4,8 +4,10 @@ Each parameter's post-accumulate-grad hook copies its gradient into its bucket; 
 bucket's reduction is launched at once, asynchronously, while backward carries on with
 earlier layers. Buckets are launched strictly in index order, on every replica, once per
 round: that is what keeps the sequence of collectives identical across replicas even when
-some parameters get no gradient on some replicas. `finalize()` (from `optimizer.step()` or
-`clip_grad_norm_`) launches what is left, waits, and writes the averages back.
+some parameters get no gradient on some replicas. `finalize()` launches what is left, waits,
+and makes every `.grad` the average. It runs at the end of the backward pass that
+synchronizes, as DDP's does, so that code between `backward()` and `step()`
+(`torch.nn.utils.clip_grad_norm_`, logging a gradient norm) sees what one process would see.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 
 from replicator.agreement import Agreement, PendingAgreement, call_site, raise_with_stragglers
 from replicator.errors import ReplicatorUsageError
@@ -78,6 +81,9 @@ class GradientSynchronizer:
         self._windows = 0
         self._reduced = False
         self._agreement_in_flight: PendingAgreement | None = None
+        self._finalize_queued = False
+        # Set while a pipeline step runs: its replicas first agree that the step succeeded.
+        self.defer_finalize = False
 
     def name_of(self, param: torch.nn.Parameter) -> str:
         return self.names.get(id(param), f"<parameter of shape {tuple(param.shape)}>")
@@ -86,6 +92,12 @@ class GradientSynchronizer:
     def _on_gradient(self, param: torch.nn.Parameter) -> None:
         if not self.should_sync():
             return
+        if not self._finalize_queued:
+            # Runs when this backward pass ends, in the thread that ran it; its errors come out
+            # of backward(). (The autograd engine's final callbacks: what DDP and FSDP use.)
+            self._finalize_queued = True
+            if not self.defer_finalize:
+                Variable._execution_engine.queue_callback(self._finalize_after_backward)
         bucket, position = self._location[id(param)]
         if bucket.launched or position in bucket.ready or self._reduced:
             # A second gradient in this window: finish this round, then reduce afresh.
@@ -175,6 +187,15 @@ class GradientSynchronizer:
                 param.grad = None if no_replica_had_one else bucket.gradient_view(position)
         self._reduced = True
 
+    def _finalize_after_backward(self) -> None:
+        self._finalize_queued = False
+        self.finalize()
+
+    def finalize_deferred(self) -> None:
+        """Finalize now if a backward pass ran while `defer_finalize` was set."""
+        if self._finalize_queued:
+            self._finalize_after_backward()
+
     def gradients_finite(self) -> bool:
         """After finalize(): are all averaged gradients finite? The same answer on every replica."""
         if self.size > 1:
@@ -195,6 +216,7 @@ class GradientSynchronizer:
         self._next_bucket = 0
         self._window_open = False
         self._reduced = False
+        self._finalize_queued = False  # a backward pass that raised never ran its callback
 
     def remove(self) -> None:
         for hook in self._hooks:
