@@ -37,15 +37,20 @@ class Bucket:
     # only once this buffer is complete (gradients and presence slots), so its completion
     # proves every replica's buffer is loaded: a reducer may take it as its first barrier.
     arrival: PendingAgreement | None = None
+    # Each parameter's slice of the buffer, shaped like it: made once, since every view made
+    # from Python during backward is a dispatcher call on a cold cache.
+    views: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.views = [self.buffer[start : start + param.numel()].view_as(param)
+                      for param, start in zip(self.params, self.offsets)]
 
     @property
     def complete(self) -> bool:
         return len(self.ready) == len(self.params)
 
     def gradient_view(self, position: int) -> torch.Tensor:
-        param = self.params[position]
-        start = self.offsets[position]
-        return self.buffer[start : start + param.numel()].view_as(param)
+        return self.views[position]
 
     def presence(self) -> torch.Tensor:
         return self.buffer[self.numel :]
@@ -56,7 +61,7 @@ class Bucket:
         Scaling on the way in (by 1/replicas) saves a separate pass over the reduced buffer.
         """
         grad = self.params[position].grad
-        view = self.gradient_view(position)
+        view = self.views[position]
         if not self.flags:
             self.flags = [0] * len(self.params)
         if grad is None:
@@ -66,10 +71,13 @@ class Bucket:
             if grad.is_sparse:
                 raise TypeError("sparse gradients are not supported by the gradient synchronizer; use dense embeddings")
             if grad.data_ptr() == view.data_ptr():
-                # .grad still is this bucket's view from the last step (zero_grad kept it):
-                # give it its own storage before the buffer is scaled and reduced in place.
-                grad = self.params[position].grad = grad.clone()
-            torch.mul(grad, scale, out=view)
+                # .grad is still this bucket's view (zero_grad(set_to_none=False) kept it, or a
+                # second backward in the window added into the average): backward accumulated
+                # into the buffer itself, so scale it where it lies. It stays .grad, as finalize
+                # would make it anyway.
+                view.mul_(scale)
+            else:
+                torch.mul(grad, scale, out=view)
             self.flags[position] = 1
         self.ready.add(position)
 
