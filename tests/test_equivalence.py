@@ -13,7 +13,7 @@ GLOBAL_BATCH = 16
 STEPS = 3
 ATOL = 1e-5
 CASES = ["sgd", "adam", "accumulate", "unused", "frozen", "batchnorm", "clip_schedule", "torch_clip", "gan",
-         "two_backwards"]
+         "two_backwards", "reentrant"]
 
 
 class WithUnused(torch.nn.Module):
@@ -26,9 +26,30 @@ class WithUnused(torch.nn.Module):
         return self.body(x)
 
 
+class SharedInCheckpoints(torch.nn.Module):
+    """One layer run twice, each time inside a reentrant checkpoint: every segment is a backward
+    pass of its own that adds into the shared weight's gradient, and ends before the outer one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(6, 16)
+        self.shared = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.stem(x))
+        for _ in range(2):
+            h = checkpoint(lambda t: torch.tanh(self.shared(t)), h, use_reentrant=True)
+        return self.head(h)
+
+
 def make_model(case: str) -> torch.nn.Module:
     if case == "unused":
         return WithUnused()
+    if case == "reentrant":
+        return SharedInCheckpoints()
     if case == "batchnorm":
         return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
@@ -64,7 +85,7 @@ def gan_step(generator, discriminator, g_opt, d_opt, real: torch.Tensor, noise: 
     d_opt.step()
     g_opt.zero_grad()
     g_loss = F.binary_cross_entropy_with_logits(discriminator(generator(noise)), ones)
-    g_loss.backward()  # also reaches D's parameters: their reduction is discarded at D's zero_grad
+    g_loss.backward()  # also reaches D's parameters: averaged too, then discarded at D's zero_grad
     g_opt.step()
     return g_loss.detach()
 
@@ -101,7 +122,7 @@ def reference(case: str) -> list[torch.Tensor]:
             backward_in_halves(model, x, y)
             optimizer.step()
             continue
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=case != "reentrant")
         F.cross_entropy(model(x), y).backward()
         if case in ("clip_schedule", "torch_clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
@@ -149,7 +170,7 @@ def replicated(case: str) -> list[torch.Tensor]:
             backward_in_halves(model, x, y)
             optimizer.step()
             return None
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=case != "reentrant")  # reentrant: .grad stays the bucket's view
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         if case == "clip_schedule":

@@ -72,12 +72,11 @@ class Bucket:
                 raise TypeError("sparse gradients are not supported by the gradient synchronizer; use dense embeddings")
             if grad.data_ptr() == view.data_ptr():
                 # .grad is still this bucket's view (zero_grad(set_to_none=False) kept it, or a
-                # second backward in the window added into the average): backward accumulated
-                # into the buffer itself, so scale it where it lies. It stays .grad, as finalize
-                # would make it anyway.
-                view.mul_(scale)
-            else:
-                torch.mul(grad, scale, out=view)
+                # second backward in the window added into the average). Give it its own storage
+                # before the buffer is scaled and reduced in place: autograd may add into it again
+                # while the reduction runs (a weight shared by reentrant checkpoint segments).
+                grad = self.params[position].grad = grad.clone()
+            torch.mul(grad, scale, out=view)
             self.flags[position] = 1
         self.ready.add(position)
 

@@ -81,7 +81,7 @@ class GradientSynchronizer:
         self._windows = 0
         self._reduced = False
         self._agreement_in_flight: PendingAgreement | None = None
-        self._finalize_queued = False
+        self._finalize_pass: int | None = None  # the backward pass that will end by finalizing
         # Set while a pipeline step runs: its replicas first agree that the step succeeded.
         self.defer_finalize = False
 
@@ -92,10 +92,14 @@ class GradientSynchronizer:
     def _on_gradient(self, param: torch.nn.Parameter) -> None:
         if not self.should_sync():
             return
-        if not self._finalize_queued:
+        backward_pass = torch._C._current_graph_task_id()
+        if backward_pass != self._finalize_pass:
             # Runs when this backward pass ends, in the thread that ran it; its errors come out
             # of backward(). (The autograd engine's final callbacks: what DDP and FSDP use.)
-            self._finalize_queued = True
+            # Keyed by the pass, so that one that raised before its end leaves nothing stale.
+            # A reentrant checkpoint segment is a pass of its own: it finalizes too, early but
+            # correctly (what arrives later starts a new round), at the price of the traffic.
+            self._finalize_pass = backward_pass
             if not self.defer_finalize:
                 Variable._execution_engine.queue_callback(self._finalize_after_backward)
         bucket, position = self._location[id(param)]
@@ -188,12 +192,12 @@ class GradientSynchronizer:
         self._reduced = True
 
     def _finalize_after_backward(self) -> None:
-        self._finalize_queued = False
+        self._finalize_pass = None
         self.finalize()
 
     def finalize_deferred(self) -> None:
-        """Finalize now if a backward pass ran while `defer_finalize` was set."""
-        if self._finalize_queued:
+        """Finalize now if a backward pass synchronized while `defer_finalize` was set."""
+        if self._finalize_pass is not None:
             self._finalize_after_backward()
 
     def gradients_finite(self) -> bool:
@@ -216,7 +220,7 @@ class GradientSynchronizer:
         self._next_bucket = 0
         self._window_open = False
         self._reduced = False
-        self._finalize_queued = False  # a backward pass that raised never ran its callback
+        self._finalize_pass = None  # one that raised before its end never ran its callback
 
     def remove(self) -> None:
         for hook in self._hooks:
