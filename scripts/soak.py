@@ -2,8 +2,8 @@
 
 Runs `replicator launch -n 4` on this script's worker mode. Every replica trains the same
 tiny model with `repl.run`, averaging gradients and reducing its loss each step; each one
-sleeps a random 0..--max-delay-ms in some steps (before the forward pass, between backward
-and optimizer.step while gradient buckets are in flight, or before the loss reduction),
+sleeps a random 0..--max-delay-ms in some steps (before the forward pass, inside backward
+while gradient buckets are in flight, or before the loss reduction),
 and now and then stalls for 0.5-1 s, with a different random stream per replica, so that
 replicas reach every collective out of step. Every replica samples its resident memory
 (/proc/self/statm) along the way.
@@ -109,6 +109,11 @@ def worker(options: argparse.Namespace) -> int:
             flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
             return torch.stack([flat.sum(), flat.abs().sum(), (flat * flat).sum()])
 
+    # Registered after wrap_optimizer, so it runs during backward after the synchronizer's own
+    # hook for this weight: a replica that sleeps there keeps its peers' buckets in flight.
+    plan_now: list[tuple[str, float] | None] = [None]
+    model[0].weight.register_post_accumulate_grad_hook(lambda weight: maybe_sleep("in_flight", plan_now[0]))
+
     hoard: list[bytearray] = []  # --inject-leak: memory kept alive on purpose, to show the check fails
 
     def step_fn(ctx: rp.ReplicaContext, batch: Any) -> torch.Tensor:
@@ -123,11 +128,11 @@ def worker(options: argparse.Namespace) -> int:
         elif jitter.random() < options.delay_probability:
             planned = (jitter.choice(("before", "in_flight", "reduce")), jitter.uniform(0.0, options.max_delay_ms / 1000))
         features, labels = batch
+        plan_now[0] = planned
         maybe_sleep("before", planned)
         loss = F.cross_entropy(model(features), labels)
         optimizer.zero_grad()
-        loss.backward()  # bucket all-reduces start here; a sleep below leaves them in flight
-        maybe_sleep("in_flight", planned)
+        loss.backward()  # bucket all-reduces start here, and end before it returns
         optimizer.step()
         maybe_sleep("reduce", planned)
         mean_loss = ctx.all_mean(loss.detach())

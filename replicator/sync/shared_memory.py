@@ -257,7 +257,7 @@ class SharedMemorySum:
             self._barrier()
         elif not arrival.arrived():
             raise ReplicaMismatchError("gradient buckets were not summed: the replicas reached different gradient "
-                                       "syncs (the error raised by the optimizer's step says which)")
+                                       "syncs (the error raised by backward(), train_step or the optimizer's step says which)")
 
     # Between a sum's first and last barrier, slice i of every row is replica i's alone: it adds
     # the peers' slices into its own row's, then writes the sum back into theirs. Each replica
