@@ -8,7 +8,8 @@ Both comparisons run their contenders inside the same processes on the same fixe
 batches, in short phases that take turns (the order rotates every repetition), so background
 load hits every contender alike; figures are medians over the repetitions. Many short
 repetitions rather than a few long ones: on a shared machine the load drifts within seconds,
-and only phases close in time make fair pairs.
+and only phases close in time make fair pairs. The processes keep glibc's heap between steps, as
+`replicator launch` makes replicas do (`--glibc-default` turns that off for every contender).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import replicator as rp
+from replicator.launch import heap_kept_environment
 from replicator.testing import run_replicas
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -349,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated replicator reducers to time against DDP (the first also with every --loop)")
     parser.add_argument("--only", choices=("2", "1", "both"), default="both", help="which comparison to run")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write every figure to this JSON file")
+    parser.add_argument("--glibc-default", action="store_true",
+                        help="leave glibc's heap settings at their defaults instead of keeping the heap as the launcher does")
     options = parser.parse_args(argv)
     if options.repeats < 1 or options.steps < 1 or options.warmup < 0 or options.batch < 1:
         parser.error("--repeats, --steps and --batch must be positive and --warmup non-negative")
@@ -367,11 +371,18 @@ def main(argv: list[str] | None = None) -> int:
         f"replicator driven by: {', '.join('repl.run(progress=False)' if loop == 'run' else 'step_fn called directly' for loop in config.loops)}",
         flush=True,
     )
+    if not options.glibc_default:
+        # The processes run as `replicator launch` runs replicas, the allocator included; DDP's
+        # contender lives in the same processes, so it gets the same heap.
+        heap = heap_kept_environment()
+        os.environ.update(heap)  # before the first run_replicas starts its forkserver, which reads it
+        print(f"glibc heap kept between steps, as `replicator launch` does: {heap or 'your own allocator settings'}")
     # Other people's work on the machine is the main source of noise; say how much there was.
     load_before = os.getloadavg()[0]
     report: dict[str, Any] = {
         "config": asdict(config), "parameters": parameters, "torch": torch.__version__, "cpu_count": os.cpu_count(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join([sys.executable, *sys.argv]),
+        "heap_kept": not options.glibc_default,
     }
     lines: list[str] = []
     healthy = True

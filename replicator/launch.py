@@ -65,9 +65,13 @@ def _environment(spec: LaunchSpec) -> dict[str, str]:
     if spec.nnodes == 1:
         # Nothing leaves the machine: Gloo's sockets live on the loopback interface.
         env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-    if not any(name in os.environ for name in _ALLOCATOR_SETTINGS):
-        env.update(HEAP_KEPT)
+    env.update(heap_kept_environment())
     return env
+
+
+def heap_kept_environment() -> dict[str, str]:
+    """HEAP_KEPT, unless the user chose allocator settings of their own (then nothing)."""
+    return {} if any(name in os.environ for name in _ALLOCATOR_SETTINGS) else dict(HEAP_KEPT)
 
 
 def torchrun_arguments(spec: LaunchSpec, attempt: int = 0) -> list[str]:
