@@ -49,9 +49,6 @@ class Bucket:
     def complete(self) -> bool:
         return len(self.ready) == len(self.params)
 
-    def gradient_view(self, position: int) -> torch.Tensor:
-        return self.views[position]
-
     def presence(self) -> torch.Tensor:
         return self.buffer[self.numel :]
 

@@ -188,7 +188,7 @@ class GradientSynchronizer:
                 # .grad becomes a view of the reduced bucket: no copy back (DDP's
                 # gradient_as_bucket_view); load() unties it if it is still there next step.
                 no_replica_had_one = counts is not None and counts[position] == 0
-                param.grad = None if no_replica_had_one else bucket.gradient_view(position)
+                param.grad = None if no_replica_had_one else bucket.views[position]
         self._reduced = True
 
     def _finalize_after_backward(self) -> None:
