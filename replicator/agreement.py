@@ -120,8 +120,9 @@ class Agreement:
         The common case costs one all-gather (one message to each peer over a link) of a few
         integers, a signature hash and the values, from which every replica takes their
         extremes. Only when the hashes differ do replicas exchange full intents (all of them
-        see the same rows, so all of them take that path together). An all-gather rather than an all-reduce of maxima and minima: a ring
-        gathers in N - 1 steps where it reduces in 2(N - 1), and these messages are all latency.
+        see the same rows, so all of them take that path together). An all-gather rather than
+        an all-reduce of maxima and minima: a ring gathers in N - 1 steps where it reduces in
+        2(N - 1), and these messages are all latency.
         """
         if self.trail:
             self._checks += 1
