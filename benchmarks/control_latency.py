@@ -28,8 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from replicator import collectives
-from replicator.local_link import LocalLink
+from replicator.comm import collectives
+from replicator.comm.local_link import LocalLink
 from replicator.testing import run_replicas
 from replicator.topology import build_process_groups, discover
 

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from replicator import collectives
-from replicator.agreement import Agreement, call_site
+from replicator.comm import collectives
+from replicator.comm.agreement import Agreement, call_site
 from replicator.errors import ReplicatorUsageError
 
 __all__ = ["InputContext", "ReplicaContext"]

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from replicator.agreement import Agreement
+from replicator.comm.agreement import Agreement
 from replicator.errors import NonFiniteError, ReplicaMismatchError
 
 __all__ = ["NONFINITE_POLICIES", "fingerprint", "require_identical", "OutputCheck", "finite_sum"]

@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules import module as module_hooks
 
-from replicator import collectives
-from replicator.agreement import Agreement, PendingAgreement
+from replicator.comm import collectives
+from replicator.comm.agreement import Agreement, PendingAgreement
 from replicator.context import InputContext, ReplicaContext, set_active_context
 from replicator.errors import ReplicaMismatchError, ReplicatorUsageError
 from replicator.health import NONFINITE_POLICIES, NonFiniteError, OutputCheck, require_identical
 from replicator.inputs import ReplicatedInput, batch_size_of
-from replicator.local_link import LocalLink
+from replicator.comm.local_link import LocalLink
 from replicator.sync.reducers import Reducer, make_reducer
 from replicator.sync.synchronizer import GradientSynchronizer
 from replicator.telemetry import Progress, StepTimes, breakdown_table

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from replicator.errors import ReplicatorError
-from replicator.pipeline import p2p
+from replicator.comm import p2p
 from replicator.pipeline.batchnorm import commit_deferred_batchnorm
 from replicator.pipeline.checkpointing import check_mode, run_forward, should_checkpoint
 from replicator.pipeline.microbatch import batch_size as batch_size_of

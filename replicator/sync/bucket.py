@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from replicator.agreement import PendingAgreement
+from replicator.comm.agreement import PendingAgreement
 from replicator.sync.reducers import PendingReduction
 
 __all__ = ["Bucket", "assign_buckets"]

@@ -15,7 +15,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from replicator.agreement import Agreement
+from replicator.comm.agreement import Agreement
 
 __all__ = ["average_buffers"]
 

@@ -11,9 +11,9 @@ import stat
 import torch
 import torch.distributed as dist
 
-from replicator.agreement import PendingAgreement
+from replicator.comm.agreement import PendingAgreement
 from replicator.errors import ReplicaMismatchError
-from replicator.local_link import LocalLink
+from replicator.comm.local_link import LocalLink
 from replicator.sync.hierarchical import DEFAULT_CHUNK_BYTES, level_groups, processes_per_node, replicas_per_node
 from replicator.sync.summation import create_groups, replica_partition
 from replicator.topology import ProcessGroups

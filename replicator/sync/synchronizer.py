@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from replicator.agreement import Agreement, PendingAgreement, call_site, raise_with_stragglers
+from replicator.comm.agreement import Agreement, PendingAgreement, call_site, raise_with_stragglers
 from replicator.errors import ReplicatorUsageError
 from replicator.health import finite_sum
 from replicator.sync.bucket import Bucket, assign_buckets

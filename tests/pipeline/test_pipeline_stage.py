@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from replicator.pipeline import PipelineError, build_pipeline, p2p
+from replicator.comm import p2p
+from replicator.pipeline import PipelineError, build_pipeline
 from replicator.pipeline.build import agreed_balance
 from replicator.pipeline.microbatch import iter_tensors
 from replicator.pipeline.timeline import bubble_fraction, plot_gantt, write_chrome_trace

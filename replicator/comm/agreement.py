@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from replicator.errors import ReplicaMismatchError
-from replicator.local_link import LocalLink
+from replicator.comm.local_link import LocalLink
 
 __all__ = ["Agreement", "PendingAgreement", "Verdict", "Intent", "call_site"]
 

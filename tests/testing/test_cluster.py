@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from replicator.local_link import LocalLink
+from replicator.comm.local_link import LocalLink
 from replicator.sync.reducers import make_reducer
 from replicator.testing import ReplicaFailure
 from replicator.testing.cluster import PREFIX, SimulatedCluster, cluster_available, remove_stale

@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "transformer_pipeline.py"
 # A model small enough that 4 processes on 2 cores finish in seconds; 2 micro-batches per replica.
 ARGS = ["--steps", "5", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16",

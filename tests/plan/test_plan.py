@@ -34,7 +34,7 @@ from replicator.plan.planner import (
 )
 from replicator.plan.step import Accelerator, Pipeline, Workload, bubble_fraction, bucket_sizes, overlap, step_time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ALPHA, BETA, SIZE = 1e-5, 1e9, 1e6
 
 

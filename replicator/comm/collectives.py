@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from replicator.local_link import LocalLink
+from replicator.comm.local_link import LocalLink
 
 __all__ = ["all_sum", "all_mean", "all_max", "all_min", "all_gather", "broadcast", "reduce_scatter", "group_size",
            "attach_link", "detach_link"]

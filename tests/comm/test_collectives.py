@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import replicator as rp
-from replicator import collectives
+from replicator.comm import collectives
 from replicator.testing import run_replicas
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import replicator as rp
-from replicator.local_link import LinkError, LocalLink, _accept, _peer_credentials
+from replicator.comm.local_link import LinkError, LocalLink, _accept, _peer_credentials
 from replicator.testing import run_replicas
 from replicator.topology import build_process_groups, discover
 

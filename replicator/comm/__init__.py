@@ -1,0 +1,1 @@
+"""How processes talk: collectives, Unix-socket links, agreement checks and packed point-to-point messages."""
