@@ -1,0 +1,68 @@
+"""Every `REPLICATOR_*` environment variable, read in one place (internal)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+__all__: list[str] = []
+
+# Long enough for a slow first step on a loaded machine, short enough that a stuck run ends
+# with an error rather than hanging a job for torch's default half hour.
+DEFAULT_TIMEOUT_S = 300.0
+
+TIMEOUT = "REPLICATOR_TIMEOUT"  # seconds a collective may wait before it raises
+DEBUG = "REPLICATOR_DEBUG"  # 1: fingerprint every collective and keep a trail of call sites
+THREADS = "REPLICATOR_THREADS"  # torch threads per process, set by the launcher
+PROGRESS = "REPLICATOR_PROGRESS"  # 0: no progress bar or breakdown table
+LOCAL_LINK = "REPLICATOR_LOCAL_LINK"  # 0: keep every message on the group's backend
+ATTEMPT = "REPLICATOR_ATTEMPT"  # which restart of the job this is, set by the launcher
+MAX_RESTARTS = "REPLICATOR_MAX_RESTARTS"  # the launcher's --max-restarts, for the job to read
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def _flag(name: str, default: bool, env: Mapping[str, str] | None = None) -> bool:
+    value = (os.environ if env is None else env).get(name, "")
+    return default if value == "" else value.lower() in _TRUE
+
+
+def _number(name: str, default: float, env: Mapping[str, str] | None = None) -> float:
+    value = (os.environ if env is None else env).get(name, "")
+    if value == "":
+        return default
+    try:
+        return float(value)
+    except ValueError as error:
+        raise ValueError(f"environment variable {name}={value!r} is not a number") from error
+
+
+def timeout_s() -> float:
+    """Seconds a collective may wait (REPLICATOR_TIMEOUT, default 300)."""
+    return _number(TIMEOUT, DEFAULT_TIMEOUT_S)
+
+
+def debug() -> bool:
+    """REPLICATOR_DEBUG=1: fingerprint every collective and keep a trail of call sites."""
+    return _flag(DEBUG, False)
+
+
+def threads() -> int | None:
+    """Torch threads per process that the launcher chose (REPLICATOR_THREADS), if any."""
+    value = _number(THREADS, 0)
+    return int(value) if value > 0 else None
+
+
+def progress() -> bool:
+    """REPLICATOR_PROGRESS=0 silences the progress bar and the breakdown table."""
+    return os.environ.get(PROGRESS, "1") != "0"
+
+
+def local_link() -> bool:
+    """REPLICATOR_LOCAL_LINK=0 keeps every message on the group's backend."""
+    return os.environ.get(LOCAL_LINK, "1") != "0"
+
+
+def attempt() -> int:
+    """Which restart of the job this process belongs to: 0 on the first attempt."""
+    return int(os.environ.get(ATTEMPT) or 0) + int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
