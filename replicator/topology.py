@@ -1,23 +1,20 @@
-"""Who am I: ranks, nodes, device and backend, and the process groups built from them."""
+"""Who am I: ranks, nodes, device and backend; the job's Mesh of replicas × stages and its process groups."""
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
+from replicator._env import DEFAULT_TIMEOUT_S
 from replicator.errors import ReplicatorUsageError
 
-__all__ = ["Topology", "ProcessGroups", "discover", "build_process_groups", "DEFAULT_TIMEOUT_S"]
-
-# Long enough for a slow first step on a loaded machine, short enough that a stuck run ends
-# with an error rather than hanging a job for torch's default half hour.
-DEFAULT_TIMEOUT_S = 300.0
+__all__ = ["Topology", "Mesh", "ProcessGroups", "discover", "build_process_groups", "DEFAULT_TIMEOUT_S"]
 
 
 @dataclass(frozen=True)
@@ -110,12 +107,88 @@ def discover(env: Mapping[str, str] | None = None) -> Topology:
     return Topology()
 
 
-@dataclass
-class ProcessGroups:
-    """The groups every replica builds once, in the same order.
+@dataclass(frozen=True)
+class Mesh:
+    """The job's processes as replicas × stages, cut into nodes: every coordinate and partition.
 
     Ranks are laid out replica-major: rank = replica * stages + stage, so the stages of
     one replica are neighbours (usually on one node, where activations travel fastest).
+    Nodes hold `local_world_size` consecutive ranks. Every process computes the same
+    partitions, which is what lets them create process groups in the same order.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    stages: int = 1
+    local_world_size: int = 1
+
+    @classmethod
+    def of(cls, topology: Topology, stages: int = 1) -> Mesh:
+        """This process's mesh; raises when `stages` does not divide the world."""
+        if stages < 1 or topology.world_size % stages != 0:
+            raise ReplicatorUsageError(
+                f"stages={stages} does not divide the world size {topology.world_size}: "
+                f"launch a multiple of {stages} processes or change stages"
+            )
+        return cls(topology.rank, topology.world_size, stages, topology.local_world_size)
+
+    @property
+    def num_replicas(self) -> int:
+        return self.world_size // self.stages
+
+    @property
+    def replica_id(self) -> int:
+        return self.rank // self.stages
+
+    @property
+    def stage_id(self) -> int:
+        return self.rank % self.stages
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // self.local_world_size)
+
+    def node_of(self, rank: int) -> int:
+        """The node that holds `rank`."""
+        return rank // self.local_world_size
+
+    @property
+    def replica_partition(self) -> list[list[int]]:
+        """Each stage's replica group (the ranks that average one stage's gradients), stage by stage."""
+        return [[r * self.stages + s for r in range(self.num_replicas)] for s in range(self.stages)]
+
+    @property
+    def stage_partition(self) -> list[list[int]]:
+        """Each replica's pipeline (its stages' ranks), replica by replica."""
+        return [[r * self.stages + s for s in range(self.stages)] for r in range(self.num_replicas)]
+
+    @property
+    def node_partition(self) -> list[list[int]]:
+        """The ranks of each node."""
+        local = self.local_world_size
+        return [[n * local + i for i in range(local)] for n in range(self.num_nodes)]
+
+    @property
+    def cross_node_partition(self) -> list[list[int]]:
+        """The ranks with the same local rank, one per node."""
+        local = self.local_world_size
+        return [[n * local + i for n in range(self.num_nodes)] for i in range(local)]
+
+    @property
+    def replica_ranks(self) -> list[int]:
+        """This stage's replica group: where this process's gradients are averaged."""
+        return self.replica_partition[self.stage_id]
+
+    @property
+    def stage_ranks(self) -> list[int]:
+        """This replica's stages: where this process's activations travel."""
+        return self.stage_partition[self.replica_id]
+
+
+@dataclass
+class ProcessGroups:
+    """The groups every process builds once, in the same order, over the job's Mesh.
+
     A group is None where the job is a single process.
     """
 
@@ -126,23 +199,22 @@ class ProcessGroups:
     stage: dist.ProcessGroup | None  # the stages of this replica: the pipeline's p2p
     intra_node: dist.ProcessGroup | None
     inter_node: dist.ProcessGroup | None  # same local rank across nodes
-    replica_ranks: list[int]
-    stage_ranks: list[int]
+    mesh: Mesh
+
+    @property
+    def replica_ranks(self) -> list[int]:
+        return self.mesh.replica_ranks
+
+    @property
+    def stage_ranks(self) -> list[int]:
+        return self.mesh.stage_ranks
 
 
 def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroups:
     """Initialise torch.distributed (if the job has peers) and build every group once."""
-    if topology.world_size % stages != 0:
-        raise ReplicatorUsageError(
-            f"stages={stages} does not divide the world size {topology.world_size}: "
-            f"launch a multiple of {stages} processes or change stages"
-        )
-    replicas = topology.world_size // stages
-    replica_id, stage_id = divmod(topology.rank, stages)
-    replica_ranks = [r * stages + stage_id for r in range(replicas)]
-    stage_ranks = [replica_id * stages + s for s in range(stages)]
+    mesh = Mesh.of(topology, stages)
     if not topology.distributed:
-        return ProcessGroups(None, None, None, None, None, None, None, replica_ranks, stage_ranks)
+        return ProcessGroups(None, None, None, None, None, None, None, mesh)
 
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
@@ -171,12 +243,9 @@ def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float =
     # The control group is always Gloo on the CPU: its messages are tiny and must not
     # queue behind gradient traffic on the accelerator's stream.
     control = new_group(list(range(topology.world_size)), backend="gloo")
-    replica_partition = [[r * stages + s for r in range(replicas)] for s in range(stages)]
-    replica = world if stages == 1 else my_group(replica_partition)
-    replica_control = control if stages == 1 else my_group(replica_partition, backend="gloo")
-    stage = None if stages == 1 else my_group([[r * stages + s for s in range(stages)] for r in range(replicas)])
-    local = topology.local_world_size
-    nodes = topology.num_nodes
-    intra = my_group([[n * local + i for i in range(local)] for n in range(nodes)]) if nodes > 1 else world
-    inter = my_group([[n * local + i for n in range(nodes)] for i in range(local)]) if nodes > 1 else None
-    return ProcessGroups(world, control, replica_control, replica, stage, intra, inter, replica_ranks, stage_ranks)
+    replica = world if stages == 1 else my_group(mesh.replica_partition)
+    replica_control = control if stages == 1 else my_group(mesh.replica_partition, backend="gloo")
+    stage = None if stages == 1 else my_group(mesh.stage_partition)
+    intra = my_group(mesh.node_partition) if mesh.num_nodes > 1 else world
+    inter = my_group(mesh.cross_node_partition) if mesh.num_nodes > 1 else None
+    return ProcessGroups(world, control, replica_control, replica, stage, intra, inter, mesh)
