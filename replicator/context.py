@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,8 @@ class ReplicaContext:
     error on all of them instead of hanging.
     """
 
-    def __init__(self, replica_id: int, num_replicas: int, group: dist.ProcessGroup | None, agreement: Agreement) -> None:
+    def __init__(self, replica_id: int, num_replicas: int, group: dist.ProcessGroup | None,
+                 agreement: Agreement) -> None:
         self.replica_id = replica_id
         self.num_replicas = num_replicas
         self.group = group

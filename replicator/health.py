@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from replicator._tree import leaves_with_paths
 from replicator.comm.agreement import Agreement
-from replicator.errors import NonFiniteError, ReplicaMismatchError
+from replicator.errors import ReplicaMismatchError
 
 __all__ = ["NONFINITE_POLICIES", "fingerprint", "require_identical", "OutputCheck", "finite_sum"]
 
@@ -56,19 +58,14 @@ def require_identical(agreement: Agreement, named: list[tuple[str, torch.Tensor]
     raise ReplicaMismatchError("\n".join(lines))
 
 
-def _numbers(output: Any, where: str = "output") -> Iterator[tuple[str, torch.Tensor | float]]:
+def _numbers(output: Any) -> Iterator[tuple[str, torch.Tensor | float]]:
     """Each floating-point tensor and float in step_fn's output (nested in dicts, lists, tuples), with where it sits."""
-    if isinstance(output, torch.Tensor):
-        if output.is_floating_point() or output.is_complex():
-            yield where, output.detach()
-    elif isinstance(output, float):
-        yield where, output
-    elif isinstance(output, dict):
-        for key, value in output.items():
-            yield from _numbers(value, f"{where}[{key!r}]")
-    elif isinstance(output, (list, tuple)):
-        for index, value in enumerate(output):
-            yield from _numbers(value, f"{where}[{index}]")
+    for where, value in leaves_with_paths(output, "output"):
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() or value.is_complex():
+                yield where, value.detach()
+        elif isinstance(value, float):
+            yield where, value
 
 
 class OutputCheck:

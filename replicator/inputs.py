@@ -2,37 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
+from replicator._tree import to_device
 from replicator.context import InputContext
 
-__all__ = ["ReplicatedInput", "to_device", "batch_size_of"]
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) tuple, list or dict to `device`; leave the rest."""
-    if isinstance(batch, torch.Tensor):
-        return batch if batch.device == device else batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {key: to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        moved = [to_device(value, device) for value in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
-    return batch
-
-
-def batch_size_of(batch: Any) -> int:
-    """Dimension 0 of the first tensor found in the batch, 0 when there is none."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() > 0 else 1
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    for value in values:
-        size = batch_size_of(value)
-        if size:
-            return size
-    return 0
+__all__ = ["ReplicatedInput"]
 
 
 class ReplicatedInput:
@@ -44,7 +22,8 @@ class ReplicatedInput:
     run re-creates the epoch and skips what was consumed (`load_state_dict`).
     """
 
-    def __init__(self, input_fn: Callable[[InputContext], Iterable[Any]], context: InputContext, device: torch.device) -> None:
+    def __init__(self, input_fn: Callable[[InputContext], Iterable[Any]], context: InputContext,
+                 device: torch.device) -> None:
         self.context = context
         self.device = device
         self.source = input_fn(context)
@@ -73,7 +52,7 @@ class ReplicatedInput:
         # A DataLoader built with batch_sampler= hides the shuffling sampler one level down.
         batch_sampler = getattr(self.source, "batch_sampler", None)
         for sampler in (getattr(self.source, "sampler", None), getattr(batch_sampler, "sampler", None)):
-            if hasattr(sampler, "set_epoch"):
+            if sampler is not None and hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.epoch)
         self.epoch += 1
         skip, epoch_rng = self._resume or (0, None)

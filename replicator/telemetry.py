@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepTimes", "Progress", "breakdown_table", "scalar_of"]
+from replicator.comm.agreement import Agreement
+
+__all__ = ["StepTimes", "Progress", "breakdown_table", "scalar_of", "summarize_run"]
 
 
 @dataclass
@@ -52,6 +54,20 @@ class StepTimes:
 
     def as_values(self) -> list[float]:
         return [self.steps, self.step_seconds, self.compute_seconds, self.communication_seconds, self.input_seconds]
+
+    # As an observer of the step loop:
+    def on_input_wait(self, seconds: float) -> None:
+        self.input_seconds += seconds
+
+    def on_agreement_wait(self, seconds: float) -> None:
+        self.add_communication(seconds)
+
+    def on_step_end(self, step: int, samples: int, output: Any, seconds: float) -> None:
+        self.step_seconds += seconds
+        self.finish_step(samples)
+
+    def on_run_end(self) -> None:
+        pass
 
 
 def scalar_of(output: Any) -> float | None:
@@ -120,6 +136,19 @@ class Progress:
         if self.enabled:
             self._bar.stop()
 
+    # As an observer of the step loop:
+    def on_input_wait(self, seconds: float) -> None:
+        pass
+
+    def on_agreement_wait(self, seconds: float) -> None:
+        pass
+
+    def on_step_end(self, step: int, samples: int, output: Any, seconds: float) -> None:
+        self.update(step + 1, samples, output)
+
+    def on_run_end(self) -> None:
+        self.close()
+
 
 def breakdown_table(per_replica: list[list[float]]) -> Any:
     """A rich Table of milliseconds per step by replica: compute, exposed communication, input wait."""
@@ -139,3 +168,24 @@ def breakdown_table(per_replica: list[list[float]]) -> Any:
             f"{1e3 * comm_ms:.2f}", f"{1e3 * input_ms:.2f}", f"{100 * share:.1f}%",
         )
     return table
+
+
+def summarize_run(agreement: Agreement, times: StepTimes, steps: int, ended_early: list[int],
+                  show: bool) -> dict[str, Any]:
+    """Gather every replica's step times; print the breakdown table where `show`; return the run's figures."""
+    summary = agreement.exchange("run summary", "", times.as_values())
+    per_replica = [[float(v) for v in intent.values] for intent in summary]
+    total_step = sum(r[1] for r in per_replica)
+    total_comm = sum(r[3] for r in per_replica)
+    total_input = sum(r[4] for r in per_replica)
+    if show and steps:
+        from rich.console import Console
+
+        Console().print(breakdown_table(per_replica))
+    return {
+        "steps": steps,
+        "samples_per_second": times.steady_samples_per_second(),
+        "communication_share": float(total_comm / max(total_step + total_input, 1e-12)),
+        "per_replica": per_replica,
+        "ended_early": ended_early,
+    }

@@ -15,15 +15,16 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from types import FrameType
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from replicator.errors import ReplicaMismatchError
 from replicator.comm.local_link import LocalLink
+from replicator.errors import ReplicaMismatchError
 
 __all__ = ["Agreement", "PendingAgreement", "Verdict", "Intent", "call_site"]
 
@@ -33,12 +34,12 @@ _VALUE_SLOTS = 16
 _CHECK_VALUES = 4  # numbers one agreement check carries beside the signature's hash
 _MESSAGE_BYTES = _SIGNATURE_BYTES + _SITE_BYTES + 8 * _VALUE_SLOTS
 _STRAGGLER_GRACE_S = 5.0
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # replicator/, not comm/
 
 
 def call_site() -> str:
     """'file.py:42 in step_fn' for the innermost frame outside replicator itself."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame = frame.f_back
     if frame is None:
@@ -110,11 +111,11 @@ class Agreement:
             )
         return intents
 
-    def require_same(self, signature: str, site: str = "", values: Sequence[int] = ()) -> "Verdict":
+    def require_same(self, signature: str, site: str = "", values: Sequence[int] = ()) -> Verdict:
         """Check that every replica announces `signature`; raise ReplicaMismatchError everywhere if not."""
         return self.start(signature, site, values).wait()
 
-    def start(self, signature: str, site: str = "", values: Sequence[int] = ()) -> "PendingAgreement":
+    def start(self, signature: str, site: str = "", values: Sequence[int] = ()) -> PendingAgreement:
         """Begin the check without waiting, so its latency hides under other work.
 
         The common case costs one all-gather (one message to each peer over a link) of a few
@@ -230,11 +231,12 @@ def raise_with_stragglers(group: dist.ProcessGroup | None, where: str, error: Ba
         deadline = time.monotonic() + _STRAGGLER_GRACE_S
         while time.monotonic() < deadline and not store.check([f"replicator/stuck/{r}" for r in ranks]):
             time.sleep(0.1)
-        notes = {r: store.get(f"replicator/stuck/{r}").decode() for r in ranks if store.check([f"replicator/stuck/{r}"])}
+        notes = {r: store.get(f"replicator/stuck/{r}").decode()
+                 for r in ranks if store.check([f"replicator/stuck/{r}"])}
         missing = [r for r in ranks if r not in notes]
         trails = {r: store.get(f"{_TRAIL_KEY}{r}").decode() for r in missing if store.check([f"{_TRAIL_KEY}{r}"])}
     except Exception:  # the store itself may be gone with a dead master: keep the original error
-        raise error
+        raise error from None
     elsewhere = {r: note for r, note in notes.items() if note != where}
     lines = [f"a collective failed or timed out while rank {me} waited at '{where}': {error}".strip()]
     if missing:

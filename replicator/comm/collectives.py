@@ -8,6 +8,7 @@ what lets cross-replica batch norm be written with these functions alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,7 +62,7 @@ def _exchange(link: LocalLink, tensor: torch.Tensor) -> list[torch.Tensor]:
             for at, payload in enumerate(payloads)]
 
 
-_COMBINE = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum}
+_COMBINE: dict[Any, Callable[..., torch.Tensor]] = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum}
 
 
 def _reduce_rows(rows: list[torch.Tensor], op: Any) -> torch.Tensor:
@@ -152,7 +153,9 @@ class _Broadcast(torch.autograd.Function):
         if link is not None:
             return _exchange(link, tensor)[source].clone(memory_format=torch.contiguous_format)
         result = tensor.detach().clone(memory_format=torch.contiguous_format)
-        dist.broadcast(result, src=dist.get_global_rank(group, source), group=group)
+        members = group if group is not None else dist.group.WORLD
+        assert members is not None
+        dist.broadcast(result, src=dist.get_global_rank(members, source), group=group)
         return result
 
     @staticmethod

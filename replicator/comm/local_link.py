@@ -20,11 +20,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from replicator import _env
+
 __all__ = ["LocalLink", "LinkError"]
 
 _TICKET = struct.Struct("<q")
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
-_DISABLE_VARIABLE = "REPLICATOR_LOCAL_LINK"
 
 
 class LinkError(RuntimeError):
@@ -62,7 +63,7 @@ class LocalLink:
 
     # -- set-up ---------------------------------------------------------------------
     @classmethod
-    def connect(cls, group: dist.ProcessGroup | None, timeout_s: float) -> "LocalLink | None":
+    def connect(cls, group: dist.ProcessGroup | None, timeout_s: float) -> LocalLink | None:
         """A link among the members of `group` (collective), or None on every member when one
         of them cannot reach all the others: it spans nodes, or sockets are unavailable.
         REPLICATOR_LOCAL_LINK=0 keeps every message on the group's backend."""
@@ -70,7 +71,7 @@ class LocalLink:
             return None
         ranks = dist.get_process_group_ranks(group)
         position = dist.get_rank(group)
-        wanted = os.environ.get(_DISABLE_VARIABLE, "1") != "0" and hasattr(socket, "SO_PEERCRED")
+        wanted = _env.local_link() and hasattr(socket, "SO_PEERCRED")
         # A random name, drawn by the first member. Abstract names are listed in /proc/net/unix for
         # anyone in this network namespace, so what admits a connection is its peer's pid and uid.
         token = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
@@ -236,7 +237,8 @@ def _peer_credentials(peer: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
-def _accept(listener: socket.socket, peers: dict[int, socket.socket], expected: dict[int, int], within_s: float) -> bool:
+def _accept(listener: socket.socket, peers: dict[int, socket.socket], expected: dict[int, int],
+            within_s: float) -> bool:
     """Accept a connection from each process in `expected` (pid -> position) into `peers`; False if
     they are not all there within `within_s` (well inside the group's own timeout, so that the
     members still decide together). Connections from any other process are closed unread: an

@@ -10,7 +10,7 @@ that every replica took alike, so they take replica 0's values, never a rounded 
 from __future__ import annotations
 
 import zlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

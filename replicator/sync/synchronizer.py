@@ -13,7 +13,7 @@ synchronizes, as DDP's does, so that code between `backward()` and `step()`
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from replicator.errors import ReplicatorUsageError
 from replicator.health import finite_sum
 from replicator.sync.bucket import Bucket, assign_buckets
 from replicator.sync.reducers import Reducer
+from replicator.sync.state import GradientState, UpdateCount
 
 __all__ = ["GradientSynchronizer"]
 
@@ -48,8 +49,8 @@ class GradientSynchronizer:
         bucket_cap_bytes: int,
         names: dict[int, str],
         label: str,
-        should_sync: Callable[[], bool],
-        accumulation: Callable[[], int] = lambda: 1,
+        state: GradientState,
+        count: UpdateCount,
         on_wait: Callable[[float], None] = lambda seconds: None,
         debug: bool = False,
     ) -> None:
@@ -59,8 +60,8 @@ class GradientSynchronizer:
         self.reducer = reducer
         self.names = names
         self.label = label
-        self.should_sync = should_sync
-        self.accumulation = accumulation
+        self.state = state  # shared by every optimizer: accumulation and no_sync
+        self.count = count  # this optimizer's step() calls
         self.on_wait = on_wait
         self.debug = debug
         unique = list({id(p): p for p in params}.values())
@@ -90,7 +91,7 @@ class GradientSynchronizer:
 
     # -- during backward -------------------------------------------------------------
     def _on_gradient(self, param: torch.nn.Parameter) -> None:
-        if not self.should_sync():
+        if not self.state.completes_update(self.count):
             return
         backward_pass = torch._C._current_graph_task_id()
         if backward_pass != self._finalize_pass:
@@ -127,8 +128,8 @@ class GradientSynchronizer:
             bucket.arrival = self._agreement_in_flight
         if self.debug:
             started = time.perf_counter()
-            self.agreement.require_same(f"gradient bucket {bucket.index} of {self.label}, {bucket.buffer.numel()} elements",
-                                        call_site())
+            what = f"gradient bucket {bucket.index} of {self.label}, {bucket.buffer.numel()} elements"
+            self.agreement.require_same(what, call_site())
             self.on_wait(time.perf_counter() - started)
         bucket.launched = True
         bucket.pending = self.reducer.reduce(bucket.buffer, self.group, bucket)  # type: ignore[arg-type]
@@ -152,13 +153,14 @@ class GradientSynchronizer:
                 try:
                     bucket.pending.wait()
                 except RuntimeError as error:
-                    raise_with_stragglers(self.agreement.group, f"gradient bucket {bucket.index} of {self.label}", error)
+                    where = f"gradient bucket {bucket.index} of {self.label}"
+                    raise_with_stragglers(self.agreement.group, where, error)
                 bucket.pending = None
         self.on_wait(time.perf_counter() - started)
 
     # -- at step ---------------------------------------------------------------------
     def _scale(self) -> float:
-        return 1.0 / (self.size * self.accumulation())
+        return 1.0 / (self.size * self.state.accumulation)
 
     def finalize(self) -> None:
         """Make every gradient the replicas' average, over the accumulated micro-steps too.
@@ -173,10 +175,10 @@ class GradientSynchronizer:
                     "repl.wrap_optimizer(...)"
                 )
         if self.size == 1:
-            if self.accumulation() != 1:
+            if self.state.accumulation != 1:
                 grads = [p.grad for p in self.params if p.grad is not None]
                 if grads:
-                    torch._foreach_div_(grads, float(self.accumulation()))
+                    torch._foreach_div_(grads, float(self.state.accumulation))
             self._reduced = True
             return
         self._flush()

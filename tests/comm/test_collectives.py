@@ -28,7 +28,7 @@ def collective_results() -> dict[str, torch.Tensor]:
         "gather_8k": ctx.all_gather(torch.full((1, 2048), r + 1.0)),
         "empty_sum": ctx.all_sum(torch.empty(0, 3)),
         "integer_sum": ctx.all_sum(torch.tensor([r, 2**40 + r])),
-        "linked": repl._data_link is not None,
+        "linked": repl.job.data_link is not None,
     }
     # Gradients of the total loss Σ_r L_r with L_r = (r+1)·Σ collective(x_r).
     weight = r + 1.0

@@ -1,0 +1,234 @@
+"""Wrapped optimizers and schedulers: averaged gradients, accumulation, no_sync, clipping, skipped updates."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from replicator.comm.agreement import Agreement
+from replicator.context import ReplicaContext
+from replicator.errors import NonFiniteError, ReplicatorUsageError
+from replicator.sync.reducers import Reducer
+from replicator.sync.state import GradientState, UpdateCount
+from replicator.sync.synchronizer import GradientSynchronizer
+
+__all__ = ["SyncedOptimizers", "WrappedOptimizer"]
+
+
+@dataclass(eq=False)
+class WrappedOptimizer:
+    """One wrapped optimizer, its synchronizer and how far it got."""
+
+    optimizer: torch.optim.Optimizer
+    synchronizer: GradientSynchronizer
+    count: UpdateCount
+
+
+class SyncedOptimizers:
+    """The job's wrapped optimizers and schedulers, and the GradientState they share.
+
+    `wrap()` patches an optimizer instance's `step` and `zero_grad` (its class, state_dict and
+    hooks stay torch's) so that updates use the replicas' averaged gradients, happen once per
+    `accumulation` micro-steps, and are skipped on every replica when nonfinite="skip" finds the
+    averages NaN or infinite.
+    """
+
+    def __init__(self, *, context: ReplicaContext, group: dist.ProcessGroup | None, agreement: Agreement,
+                 reducer: Reducer, bucket_cap_bytes: int, nonfinite: str, debug: bool, is_main: bool) -> None:
+        self.state = GradientState()
+        self.context = context
+        self.group = group
+        self.agreement = agreement
+        self.reducer = reducer
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self.nonfinite = nonfinite
+        self.debug = debug
+        self.is_main = is_main
+        self.wrapped: list[WrappedOptimizer] = []
+        self.owner: dict[int, WrappedOptimizer] = {}
+        self.schedulers: list[Any] = []
+        self.skipped_steps: list[int] = []  # steps whose update nonfinite="skip" dropped
+
+    # -- wrapping ----------------------------------------------------------------------
+    def wrap(self, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> torch.optim.Optimizer:
+        """Synchronize `optimizer`'s gradients; `names` name its parameters in errors."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"wrap_optimizer() takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if any(w.optimizer is optimizer for w in self.wrapped):
+            raise ReplicatorUsageError("this optimizer is already wrapped; wrap each optimizer once")
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for param in params:
+            if id(param) in self.owner:
+                raise ReplicatorUsageError(
+                    f"parameter {names.get(id(param), tuple(param.shape))} belongs to two wrapped optimizers; "
+                    "give each parameter to one optimizer (or use parameter groups)"
+                )
+        label = f"optimizer {len(self.wrapped)} ({type(optimizer).__name__})"
+        count = UpdateCount()
+        synchronizer = GradientSynchronizer(params, self.group, self.agreement, self.reducer, self.bucket_cap_bytes,
+                                            names, label, self.state, count, self.context.on_wait, self.debug)
+        wrapped = WrappedOptimizer(optimizer, synchronizer, count)
+        for param in params:
+            self.owner[id(param)] = wrapped
+        self.wrapped.append(wrapped)
+        self._patch(wrapped)
+        return optimizer
+
+    def wrap_scheduler(self, scheduler: Any) -> Any:
+        """Make an LR scheduler step only when its optimizer really stepped (accumulation)."""
+        wrapped = next((w for w in self.wrapped if w.optimizer is scheduler.optimizer), None)
+        if wrapped is None:
+            raise ReplicatorUsageError("wrap the scheduler's optimizer with repl.wrap_optimizer() first")
+        original = scheduler.step
+
+        def step(_: Any, *args: Any, **kwargs: Any) -> Any:
+            return original(*args, **kwargs) if wrapped.count.stepped else None
+
+        scheduler.step = types.MethodType(step, scheduler)
+        self.schedulers.append(scheduler)
+        return scheduler
+
+    def _patch(self, wrapped: WrappedOptimizer) -> None:
+        optimizer, synchronizer, count, state = wrapped.optimizer, wrapped.synchronizer, wrapped.count, self.state
+        original_step = optimizer.step
+        original_zero_grad = optimizer.zero_grad
+
+        def step(_: Any, closure: Callable[[], Any] | None = None) -> Any:
+            if state.no_sync_depth:
+                raise ReplicatorUsageError(
+                    "optimizer.step() was called inside repl.no_sync(): gradients there are not synchronized, so "
+                    "replicas would diverge; step after leaving no_sync()"
+                )
+            count.calls += 1
+            count.stepped = False
+            if count.calls % state.accumulation:
+                return None
+            if closure is None:
+                synchronizer.finalize()
+                if self.nonfinite == "skip" and not synchronizer.gradients_finite():
+                    self._skip_update(wrapped)
+                    return None
+                result = original_step()
+            else:
+                if state.accumulation != 1:
+                    raise ReplicatorUsageError(
+                        "optimizers that take a closure (LBFGS) cannot be combined with accumulate()")
+                result = original_step(self._synchronized_closure(synchronizer, closure))
+            synchronizer.end_window()
+            count.stepped = True
+            return result
+
+        def zero_grad(_: Any, set_to_none: bool = True) -> None:
+            if state.mid_accumulation(count):
+                return  # in the middle of an accumulation: keep the partial sums
+            synchronizer.end_window(discard=True)
+            original_zero_grad(set_to_none)
+
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+        optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
+
+    def _synchronized_closure(self, synchronizer: GradientSynchronizer,
+                              closure: Callable[[], Any]) -> Callable[[], Any]:
+        """A closure whose gradients and loss are the replicas' averages (for LBFGS and friends)."""
+
+        def synchronized() -> Any:
+            with torch.enable_grad():
+                loss = closure()
+            synchronizer.finalize()
+            if isinstance(loss, torch.Tensor) and self.context.num_replicas > 1:
+                loss = self.context.all_mean(loss.detach())
+            return loss
+
+        return synchronized
+
+    def _skip_update(self, wrapped: WrappedOptimizer) -> None:
+        """Drop this update on every replica: the averaged gradients, hence the verdict, are the same everywhere."""
+        for group in wrapped.optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
+        wrapped.synchronizer.end_window()
+        if self.state.step not in self.skipped_steps:
+            self.skipped_steps.append(self.state.step)
+        if self.is_main:
+            print(f"replicator: step {self.state.step}: the averaged gradients of {wrapped.synchronizer.label} are "
+                  "NaN or infinite; its update was skipped on every replica (nonfinite='skip')", flush=True)
+
+    # -- accumulation ------------------------------------------------------------------
+    def mid_accumulation(self) -> bool:
+        """Is some optimizer between the micro-steps of one update?"""
+        return any(self.state.mid_accumulation(w.count) for w in self.wrapped)
+
+    def accumulate(self, micro_steps: int) -> None:
+        """Make each update take `micro_steps` step_fn calls (see Replicator.accumulate)."""
+        if micro_steps < 1:
+            raise ReplicatorUsageError(f"accumulate() needs a positive number of micro-steps, got {micro_steps}")
+        if self.mid_accumulation():
+            raise ReplicatorUsageError("accumulate() can only change between updates, not in the middle of one")
+        for wrapped in self.wrapped:
+            wrapped.count.calls = 0
+        self.state.accumulation = micro_steps
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside this block accumulate gradients locally, with no traffic."""
+        self.state.no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self.state.no_sync_depth -= 1
+
+    def restart_counts(self) -> None:
+        """Forget micro-steps taken (after restoring a checkpoint, which falls between updates)."""
+        for wrapped in self.wrapped:
+            wrapped.count.calls, wrapped.count.stepped = 0, False
+
+    # -- between backward and step -----------------------------------------------------
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip by the global norm of the averaged gradients; None during an accumulation micro-step."""
+        params = list(parameters)
+        for wrapped in {id(w): w for p in params if (w := self.owner.get(id(p)))}.values():
+            if not self.state.last_micro_step(wrapped.count):
+                return None
+            wrapped.synchronizer.finalize()
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        # The norm of averaged gradients is the same on every replica: so is this verdict.
+        if self.nonfinite == "raise" and not bool(torch.isfinite(norm)):
+            raise NonFiniteError(
+                f"the averaged gradients' norm is {float(norm)} at step {self.state.step} (raised on replica "
+                f"{self.context.replica_id}); some replica's loss or gradient overflowed or became NaN. Lower the "
+                "learning rate, check the data, or pass nonfinite='skip' to drop such updates on every replica"
+            )
+        return norm
+
+    @contextlib.contextmanager
+    def hold_gradients(self) -> Iterator[None]:
+        """Inside this block the averaging that ends a backward pass waits for `release_gradients()`."""
+        for wrapped in self.wrapped:
+            wrapped.synchronizer.defer_finalize = True
+        try:
+            yield
+        finally:
+            for wrapped in self.wrapped:
+                wrapped.synchronizer.defer_finalize = False
+
+    def release_gradients(self) -> None:
+        """Finish the averaging that a backward pass inside `hold_gradients()` left waiting."""
+        for wrapped in self.wrapped:
+            wrapped.synchronizer.finalize_deferred()
+
+    def set_on_wait(self, on_wait: Callable[[float], None]) -> None:
+        """Report seconds blocked in gradient reductions to `on_wait` (the run's step timing)."""
+        for wrapped in self.wrapped:
+            wrapped.synchronizer.on_wait = on_wait
+
+    def close(self) -> None:
+        """Remove the gradient hooks."""
+        for wrapped in self.wrapped:
+            wrapped.synchronizer.remove()
