@@ -326,7 +326,9 @@ def two_process_job(config: Config) -> dict[str, Any]:
         stage_ranks=repl.groups.stage_ranks, stage_group=repl.groups.stage, chunks=config.chunks, checkpoint="always",
         record=False,
     )
-    contenders.append(replicator_contender(always, make_optimizer(always, config), 'replicator, checkpoint="always"', None))
+    contenders.append(
+        replicator_contender(always, make_optimizer(always, config), 'replicator, checkpoint="always"', None)
+    )
     peer_module = nn.Sequential(*make_layers(config)[stage_slice(config, repl.stage_id)])
     contenders.append(torch_contender(peer_module, repl.stage_id, config)[0])
     contenders.append(single_contender(nn.Sequential(*make_layers(config)), config, split=False))
