@@ -1,8 +1,9 @@
-"""All-reduce bandwidth and data-parallel step time on a simulated 2-node cluster: torch's all_reduce against replicator's reducers.
+"""All-reduce bandwidth and data-parallel step time on a simulated 2-node cluster: torch's all_reduce vs our reducers.
 
-Command (from the repository root, as root: it builds network namespaces; about 2 minutes on 2 cores):
+Command (from the repository root, as root: it builds network namespaces; about 2 minutes on 2 cores;
+figures go to benchmarks/results/allreduce.json):
 
-    .venv/bin/python benchmarks/allreduce.py --json runs/allreduce.json
+    .venv/bin/python benchmarks/allreduce.py
     .venv/bin/python benchmarks/allreduce.py --quick          # sizes up to 16 MiB, fewer repetitions
 
 The cluster (replicator.testing.cluster.SimulatedCluster) is 2 nodes x 2 processes: each node
@@ -30,19 +31,28 @@ Figures:
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _harness import (
+    add_json_argument,
+    in_turns,
+    load_average,
+    machine,
+    machine_line,
+    paired_ratio,
+    ratio_of_medians,
+    slowest_rank,
+    write_json,
+)
 
 import replicator as rp
 from replicator.sync.reducers import make_reducer
@@ -84,15 +94,9 @@ class Config:
 
 
 def iterations(nbytes: int) -> int:
-    """Back-to-back calls per timed sample: small messages are timed over several, so the barrier's skew does not dominate."""
+    """Back-to-back calls per timed sample: small messages are timed over several, so the barrier's skew
+    does not dominate."""
     return max(1, min(50, (4 * MiB) // nbytes))
-
-
-def slowest(seconds: float) -> float:
-    """The maximum of a float over the world: a collective, or a step, ends when its slowest rank does."""
-    value = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value.item())
 
 
 def collective_methods(groups: Any) -> tuple[dict[str, Callable[[torch.Tensor], None]], Callable[[], None]]:
@@ -133,15 +137,13 @@ def measure_collectives(config: Config, groups: Any) -> dict[str, Any]:
         agree[size] = all(torch.equal(results[name], results[names[0]]) for name in METHODS)
         buffer = torch.empty_like(source)
         count = iterations(size)
-        for repetition in range(config.repeats):
-            shift = repetition % len(names)
-            for name in names[shift:] + names[:shift]:
-                buffer.copy_(source).mul_(1e-3)  # small values: repeated sums stay finite
-                dist.barrier(group=groups.world)
-                started = time.perf_counter()
-                for _ in range(count):
-                    methods[name](buffer)
-                times[name][size].append(slowest((time.perf_counter() - started) / count))
+        for _, name in in_turns(names, config.repeats):
+            buffer.copy_(source).mul_(1e-3)  # small values: repeated sums stay finite
+            dist.barrier(group=groups.world)
+            started = time.perf_counter()
+            for _ in range(count):
+                methods[name](buffer)
+            times[name][size].append(slowest_rank((time.perf_counter() - started) / count))
     close()
     return {"times": times, "agree": agree}
 
@@ -160,12 +162,14 @@ def gradient_bytes(config: Config) -> int:
 
 def forward_flops_per_sample(config: Config) -> float:
     """Multiply-adds of the Linear layers, a multiply-add counting 2."""
-    return 2.0 * sum(m.in_features * m.out_features for m in make_model(config).modules() if isinstance(m, torch.nn.Linear))
+    linears = [m for m in make_model(config).modules() if isinstance(m, torch.nn.Linear)]
+    return 2.0 * sum(m.in_features * m.out_features for m in linears)
 
 
 def _batches(config: Config, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1000 * config.seed + rank)
-    return [(torch.randn(config.batch, config.width, generator=generator), torch.randint(0, 10, (config.batch,), generator=generator))
+    return [(torch.randn(config.batch, config.width, generator=generator),
+             torch.randint(0, 10, (config.batch,), generator=generator))
             for _ in range(4)]
 
 
@@ -202,15 +206,15 @@ def measure_steps(config: Config, reducers: tuple[str, ...]) -> dict[str, Any]:
 
     names = list(contenders)
     times: dict[str, list[float]] = {name: [] for name in names}
-    for repetition in range(config.step_repeats):
-        shift = repetition % len(names)
-        for name in names[shift:] + names[:shift]:
-            run(name, config.warmup)
-            dist.barrier()
-            started = time.perf_counter()
-            run(name, config.steps)
-            times[name].append(slowest((time.perf_counter() - started) / config.steps))
-    flat_params = torch.cat([p.detach().reshape(-1) for p in contenders["flat"][0].parameters()]) if "flat" in contenders else None
+    for _, name in in_turns(names, config.step_repeats):
+        run(name, config.warmup)
+        dist.barrier()
+        started = time.perf_counter()
+        run(name, config.steps)
+        times[name].append(slowest_rank((time.perf_counter() - started) / config.steps))
+    flat_params = None
+    if "flat" in contenders:
+        flat_params = torch.cat([p.detach().reshape(-1) for p in contenders["flat"][0].parameters()])
     checks = {}
     if flat_params is not None and "hierarchical" in contenders:
         hierarchical = torch.cat([p.detach().reshape(-1) for p in contenders["hierarchical"][0].parameters()])
@@ -239,7 +243,8 @@ def cluster_job(config: Config) -> dict[str, Any]:
 
 # -- reporting ------------------------------------------------------------------------
 def link_bytes(method: str, size: int, nodes: int, procs_per_node: int) -> float:
-    """Payload one node sends over its link, one direction, per all-reduce of `size` bytes (see the module docstring)."""
+    """Payload one node sends over its link, one direction, per all-reduce of `size` bytes (see the module
+    docstring)."""
     n = nodes * procs_per_node
     if method in ("hierarchical", INTER_PHASE):
         return 2 * (nodes - 1) / nodes * size
@@ -273,8 +278,9 @@ def summarize(config: Config, result: dict[str, Any]) -> Summary:
                     "size": size, "method": method, "median_s": t, "min_s": min(samples), "max_s": max(samples),
                     "algbw": algbw, "busbw": algbw * 2 * (n - 1) / n,
                     "link_share": link_bytes(method, size, config.nodes, config.procs_per_node) / t / line_rate,
-                    "vs_flat": statistics.median(times["flat"][size]) / t,
-                    "paired_vs_flat": statistics.median(f / m for f, m in zip(times["flat"][size], samples)),
+                    # Times: flat's over this method's, so above 1 means faster than flat.
+                    "vs_flat": ratio_of_medians(times["flat"][size], samples),
+                    "paired_vs_flat": paired_ratio(times["flat"][size], samples),
                     "agree": collectives["agree"][size] if method in METHODS else None,
                 })
         big = [r for r in summary.rows if r["method"] == "hierarchical" and r["size"] >= 16 * MiB]
@@ -285,7 +291,9 @@ def summarize(config: Config, result: dict[str, Any]) -> Summary:
         if largest >= 64 * MiB:
             for method in (*METHODS, INTER_PHASE):
                 share = next(r["link_share"] for r in summary.rows if r["method"] == method and r["size"] == largest)
-                summary.targets[f"{method}: link share >= 90% at {_size(largest)}"] = {"measured": share, "met": share >= 0.9}
+                summary.targets[f"{method}: link share >= 90% at {_size(largest)}"] = {
+                    "measured": share, "met": share >= 0.9,
+                }
     steps = result.get("steps")
     if steps is not None:
         floor = statistics.median(steps["times"][NO_COMMUNICATION])
@@ -301,7 +309,8 @@ def summarize(config: Config, result: dict[str, Any]) -> Summary:
 def print_tables(config: Config, summary: Summary, result: dict[str, Any]) -> list[str]:
     lines = []
     if summary.rows:
-        lines += ["", f"All-reduce over {config.nodes} nodes x {config.procs_per_node} processes, {config.link_mbit:g} Mbit/s "
+        lines += ["", f"All-reduce over {config.nodes} nodes x {config.procs_per_node} processes, "
+                  f"{config.link_mbit:g} Mbit/s "
                   f"links (MTU {config.mtu}), median of {config.repeats} interleaved repetitions:", "",
                   "| size | method | time (ms) | algbw (MB/s) | busbw (MB/s) | link share | vs flat (ratio of medians) "
                   "| vs flat (median paired) | results equal |",
@@ -310,7 +319,8 @@ def print_tables(config: Config, summary: Summary, result: dict[str, Any]) -> li
             agree = {True: "yes", False: "NO", None: "(not a full sum)"}[row["agree"]]
             lines.append(
                 f"| {_size(row['size'])} | {row['method']} | {row['median_s'] * 1e3:.3f} | {row['algbw'] / 1e6:.1f} "
-                f"| {row['busbw'] / 1e6:.1f} | {row['link_share']:.1%} | {row['vs_flat']:.2f} | {row['paired_vs_flat']:.2f} "
+                f"| {row['busbw'] / 1e6:.1f} | {row['link_share']:.1%} | {row['vs_flat']:.2f} "
+                f"| {row['paired_vs_flat']:.2f} "
                 f"| {agree} |")
     if summary.steps:
         lines += ["", f"Data-parallel step, MLP {config.layers} x {config.width}x{config.width} + head "
@@ -320,7 +330,8 @@ def print_tables(config: Config, summary: Summary, result: dict[str, Any]) -> li
                   "| --- | ---: | ---: | ---: | ---: |"]
         for row in summary.steps:
             ratio = "" if row["vs_flat"] is None else f"{row['vs_flat']:.2f}"
-            lines.append(f"| {row['reducer']} | {row['median_s'] * 1e3:.1f} | {row['min_s'] * 1e3:.1f}–{row['max_s'] * 1e3:.1f} "
+            lines.append(f"| {row['reducer']} | {row['median_s'] * 1e3:.1f} "
+                         f"| {row['min_s'] * 1e3:.1f}–{row['max_s'] * 1e3:.1f} "
                          f"| {ratio} | {row['over_compute_s'] * 1e3:.1f} |")
         for name, value in result["steps"]["checks"].items():
             lines.append(f"  check: {name} = {value:.3g}")
@@ -335,34 +346,36 @@ def print_tables(config: Config, summary: Summary, result: dict[str, Any]) -> li
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--link-mbit", type=float, default=Config.link_mbit, help="each node's link, Mbit/s per direction")
+    parser.add_argument("--link-mbit", type=float, default=Config.link_mbit,
+                        help="each node's link, Mbit/s per direction")
     parser.add_argument("--mtu", type=int, default=Config.mtu, help="MTU of the simulated links (default 1500)")
     parser.add_argument("--queue-ms", type=float, default=Config.queue_ms, help="switch buffer, in ms at the link rate")
     parser.add_argument("--repeats", type=int, default=Config.repeats, help="interleaved repetitions per collective")
-    parser.add_argument("--step-repeats", type=int, default=Config.step_repeats, help="interleaved repetitions per reducer")
+    parser.add_argument("--step-repeats", type=int, default=Config.step_repeats,
+                        help="interleaved repetitions per reducer")
     parser.add_argument("--steps", type=int, default=Config.steps, help="timed steps per phase")
     parser.add_argument("--batch", type=int, default=Config.batch, help="samples per replica per step")
     parser.add_argument("--bucket-mb", type=float, default=Config.bucket_mb, help="gradient bucket size (MiB)")
     parser.add_argument("--quick", action="store_true", help="sizes up to 16 MiB, 3 repetitions, fewer steps")
     parser.add_argument("--only", choices=("collectives", "steps", "both"), default="both")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write every figure to this JSON file")
+    add_json_argument(parser, "allreduce")
     options = parser.parse_args(argv)
     available, why = cluster_available()
     if not available:
         print(f"cannot build the simulated cluster: {why}", file=sys.stderr)
         return 2
     config = Config(link_mbit=options.link_mbit, mtu=options.mtu, queue_ms=options.queue_ms, repeats=options.repeats,
-                    step_repeats=options.step_repeats, steps=options.steps, batch=options.batch, bucket_mb=options.bucket_mb,
+                    step_repeats=options.step_repeats, steps=options.steps, batch=options.batch,
+                    bucket_mb=options.bucket_mb,
                     skip_steps=options.only == "collectives", skip_collectives=options.only == "steps")
     if options.quick:
         config = Config(**{**asdict(config), "sizes": QUICK_SIZES, "repeats": 3, "step_repeats": 3, "steps": 3})
-    print(f"replicator {rp.__version__}, torch {torch.__version__}, {os.cpu_count()} CPU cores, "
-          f"{platform.processor() or platform.machine()}; {config.nodes} x {config.procs_per_node} processes share them",
-          flush=True)
+    header = machine()
+    print(f"{machine_line(header)}; {config.nodes} x {config.procs_per_node} processes share the cores", flush=True)
     # Inside a node's namespace c10d cannot reverse-resolve its peers' addresses and warns about
     # it once per connection; the processes inherit this before they import torch.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    load_before = os.getloadavg()[0]
+    load_before = header["load_average"][0]
     started = time.perf_counter()
     with SimulatedCluster(config.nodes, config.procs_per_node, config.link_mbit, mtu=config.mtu,
                           queue_ms=config.queue_ms) as cluster:
@@ -371,21 +384,15 @@ def main(argv: list[str] | None = None) -> int:
         burst = cluster.burst_bytes
     summary = summarize(config, results[0])
     lines = print_tables(config, summary, results[0])
-    load_after = os.getloadavg()[0]
+    load_after = load_average()[0]
     lines.append(f"\n1-minute load average {load_before:.2f} before, {load_after:.2f} after, on {os.cpu_count()} cores "
                  f"(this run adds {config.nodes * config.procs_per_node} processes); tbf burst {burst} B; "
                  f"{time.perf_counter() - started:.0f} s")
     print("\n".join(lines), flush=True)
-    if options.json:
-        os.makedirs(os.path.dirname(os.path.abspath(options.json)), exist_ok=True)
-        report = {"config": asdict(config), "rows": summary.rows, "steps": summary.steps, "targets": summary.targets,
-                  "checks": results[0].get("steps", {}).get("checks", {}), "torch": torch.__version__,
-                  "cpu_count": os.cpu_count(), "load_average_1min": {"before": load_before, "after": load_after},
-                  "tbf_burst_bytes": burst, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                  "command": " ".join([sys.executable, *sys.argv])}
-        with open(options.json, "w") as handle:
-            json.dump(report, handle, indent=2, default=str)
-        print(f"figures written to {options.json}")
+    report = {"config": asdict(config), "rows": summary.rows, "steps": summary.steps, "targets": summary.targets,
+              "checks": results[0].get("steps", {}).get("checks", {}),
+              "load_average_1min": {"before": load_before, "after": load_after}, "tbf_burst_bytes": burst}
+    write_json(options.json, report, header)
     ok = all(r["agree"] is not False for r in summary.rows)
     ok &= all(v <= 1e-4 for k, v in results[0].get("steps", {}).get("checks", {}).items() if "diff" in k)
     return 0 if ok else 1

@@ -1,8 +1,9 @@
 """How much does this machine slow a process down when a second one computes beside it?
 
-Command (from the repository root; about 2.5 minutes on 2 cores):
+Command (from the repository root; about 2.5 minutes on 2 cores; figures go to
+benchmarks/results/contention.json):
 
-    .venv/bin/python benchmarks/contention.py --json runs/contention.json
+    .venv/bin/python benchmarks/contention.py
 
 The demo's weak-scaling efficiency compares 2 replicas against 1. Part of any shortfall
 need not come from replicator at all: two processes computing at once share the machine's
@@ -16,10 +17,7 @@ times is the efficiency that 2 replicas could reach with communication that cost
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import multiprocessing
-import os
 import statistics
 import sys
 import time
@@ -27,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _harness import add_json_argument, in_turns, load_average, machine, machine_line, write_json
 
 from replicator.demo.digits import ResNet, load_digits_split
 
@@ -64,7 +63,9 @@ def phase(processes: int, steps: int, warmup: int) -> list[tuple[float, float]]:
     """Run `processes` independent trainers at once; each one's (median step ms, median CPU ms)."""
     context = multiprocessing.get_context("spawn")
     start, finished, out = context.Barrier(processes), context.Value("i", 0), context.Queue()
-    workers = [context.Process(target=_train_steps, args=(steps, warmup, start, finished, out)) for _ in range(processes)]
+    workers = [
+        context.Process(target=_train_steps, args=(steps, warmup, start, finished, out)) for _ in range(processes)
+    ]
     for worker in workers:
         worker.start()
     results = [out.get(timeout=600) for _ in workers]
@@ -78,37 +79,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=4, help="alternating pairs of phases (alone, together)")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per process and phase")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of every phase")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write every figure to this JSON file")
+    add_json_argument(parser, "contention")
     options = parser.parse_args(argv)
-    load_before = os.getloadavg()[0]
+    header = machine()
+    load_before = header["load_average"][0]
     alone: list[tuple[float, float]] = []
     together: list[tuple[float, float]] = []
-    for repetition in range(options.repeats):
-        # Alternate which comes first, so that load drifting during the run weighs on both.
-        order = (1, 2) if repetition % 2 == 0 else (2, 1)
-        for processes in order:
-            (alone if processes == 1 else together).extend(phase(processes, options.steps, options.warmup))
+    # Alternate which comes first, so that load drifting during the run weighs on both.
+    for _, processes in in_turns((1, 2), options.repeats):
+        (alone if processes == 1 else together).extend(phase(processes, options.steps, options.warmup))
     step_alone = statistics.median(w for w, _ in alone)
     step_together = statistics.median(w for w, _ in together)
     cpu_alone = statistics.median(c for _, c in alone)
     cpu_together = statistics.median(c for _, c in together)
     ceiling = step_alone / step_together
-    load_after = os.getloadavg()[0]
-    print(f"demo ResNet training step, batch 128, 1 thread per process, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPU cores, {options.repeats} x (alone, together) phases of {options.steps} steps\n")
+    load_after = load_average()[0]
+    print(machine_line(header))
+    print(f"demo ResNet training step, batch 128, 1 thread per process, "
+          f"{options.repeats} x (alone, together) phases of {options.steps} steps\n")
     print("| processes computing | step (ms, median) | CPU per step (ms, median) |")
     print("| --- | ---: | ---: |")
     print(f"| 1 alone | {step_alone:.1f} | {cpu_alone:.1f} |")
     print(f"| 2 at once (no communication) | {step_together:.1f} | {cpu_together:.1f} |")
     print(f"\n2 at once / 1 alone: step time x{step_together / step_alone:.3f}, CPU x{cpu_together / cpu_alone:.3f}")
     print(f"weak-scaling efficiency of 2 replicas with free communication: {100 * ceiling:.1f}%")
-    print(f"1-minute load average {load_before:.2f} before, {load_after:.2f} after, on {os.cpu_count()} cores")
-    if options.json:
-        with open(options.json, "w") as handle:
-            json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                       "command": " ".join([sys.executable, *sys.argv]), "alone": alone, "together": together,
-                       "ceiling": ceiling, "load_average_1min": [load_before, load_after]}, handle, indent=2)
-        print(f"figures written to {options.json}")
+    print(f"1-minute load average {load_before:.2f} before, {load_after:.2f} after, on {header['cores']} cores")
+    write_json(options.json, {"alone": alone, "together": together, "ceiling": ceiling,
+                              "load_average_1min": [load_before, load_after]}, header)
     return 0
 
 

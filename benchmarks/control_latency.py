@@ -1,32 +1,32 @@
 """Latency of the small control messages replicator exchanges: Gloo against a LocalLink.
 
-Command (from the repository root; about half a minute on 2 cores):
+Command (from the repository root; about half a minute on 2 cores; figures go to
+benchmarks/results/control_latency.json):
 
-    .venv/bin/python benchmarks/control_latency.py --json runs/control_latency.json
+    .venv/bin/python benchmarks/control_latency.py
 
 Every step of `repl.run` makes a few tiny exchanges: the announcement of the next step, the
 gradient sync's agreement check, the shared-memory sum's barrier, a `ctx` collective's check.
 Each is a few dozen bytes, so its cost is all latency. This times, in 2 processes on one
 node, a Gloo barrier, a Gloo all-gather of a 5-integer agreement row and a Gloo all-reduce of
 a scalar loss (torch's own collectives, the peer) against a LocalLink barrier, a LocalLink
-agreement row (`replicator/local_link.py`) and `all_sum` of the loss over a group with a
-link attached (as `ctx.all_mean(loss)` goes on one node), interleaved in rounds. Each exchange is timed both back to back
-and after ~1 ms of matrix products, as it comes in a training step, where the two processes
-arrive at slightly different times.
+agreement row (`replicator/comm/local_link.py`) and `all_sum` of the loss over a group with a
+link attached (as `ctx.all_mean(loss)` goes on one node), interleaved in rounds. Each exchange
+is timed both back to back and after ~1 ms of matrix products, as it comes in a training step,
+where the two processes arrive at slightly different times.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from _harness import add_json_argument, in_turns, machine, machine_line, write_json
 
 from replicator.comm import collectives
 from replicator.comm.local_link import LocalLink
@@ -60,16 +60,19 @@ def _measure(rounds: int, per_round: int) -> dict[str, Any]:
         "gloo all_reduce (a loss)": lambda: dist.all_reduce(loss.clone(), group=group),
         "LocalLink all_sum (a loss)": lambda: collectives.all_sum(loss, group),
     }
-    samples: dict[str, list[float]] = {f"{name}{suffix}": [] for name in contenders for suffix in ("", " after compute")}
-    for _ in range(rounds):
-        for name, exchange in contenders.items():
-            for after_compute in (False, True):
-                for _ in range(per_round):
-                    if after_compute:
-                        compute()
-                    started = time.perf_counter()
-                    exchange()
-                    samples[f"{name}{' after compute' if after_compute else ''}"].append(time.perf_counter() - started)
+    samples: dict[str, list[float]] = {
+        f"{name}{suffix}": [] for name in contenders for suffix in ("", " after compute")
+    }
+    # The same order in every round: each kind of exchange follows the same neighbour each time.
+    for _, name in in_turns(list(contenders), rounds, rotate=False):
+        exchange = contenders[name]
+        for after_compute in (False, True):
+            for _ in range(per_round):
+                if after_compute:
+                    compute()
+                started = time.perf_counter()
+                exchange()
+                samples[f"{name}{' after compute' if after_compute else ''}"].append(time.perf_counter() - started)
     link.close()
     collectives.detach_link(group)
     data_link.close()
@@ -85,12 +88,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds over the contenders")
     parser.add_argument("--per-round", type=int, default=50, help="exchanges timed per contender per round")
-    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    add_json_argument(parser, "control_latency")
     args = parser.parse_args()
-    load = os.getloadavg()[0]
+    header = machine()
     figures = run_replicas(_measure, 2, args.rounds, args.per_round, timeout_s=600)[0]
-    print(f"2 processes on one node, torch {torch.__version__}, {os.cpu_count()} cores, 1-minute load {load:.2f}; "
-          f"{args.rounds} rounds x {args.per_round} exchanges each (rank 0)\n")
+    print(machine_line(header))
+    print(f"2 processes on one node; {args.rounds} rounds x {args.per_round} exchanges each (rank 0)\n")
     print("| exchange | median µs | p90 µs | median vs the Gloo peer |")
     print("| --- | ---: | ---: | ---: |")
     for name, figure in figures.items():
@@ -99,12 +102,7 @@ def main() -> None:
             peer = peer.replace(ours, theirs)
         ratio = "(peer)" if peer == name else f"{figures[peer]['median_us'] / figure['median_us']:.1f}x faster"
         print(f"| {name} | {figure['median_us']:.1f} | {figure['p90_us']:.1f} | {ratio} |")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-                       "load_average_1min": load, "torch": torch.__version__, "rounds": args.rounds,
-                       "per_round": args.per_round, "figures": figures}, handle, indent=2)
-        print(f"\nfigures written to {args.json}")
+    write_json(args.json, {"rounds": args.rounds, "per_round": args.per_round, "figures": figures}, header)
 
 
 if __name__ == "__main__":

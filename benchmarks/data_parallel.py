@@ -1,8 +1,9 @@
 """Data-parallel throughput of replicator against torch DDP (2 processes) and a plain loop (1 process).
 
-Command (from the repository root; a few minutes on 2 cores):
+Command (from the repository root; a few minutes on 2 cores; figures go to
+benchmarks/results/data_parallel.json):
 
-    .venv/bin/python benchmarks/data_parallel.py --repeats 15 --steps 6 --batch 64 --json runs/data_parallel.json
+    .venv/bin/python benchmarks/data_parallel.py --repeats 15 --steps 6 --batch 64
 
 Both comparisons run their contenders inside the same processes on the same fixed synthetic
 batches, in short phases that take turns (the order rotates every repetition), so background
@@ -15,19 +16,28 @@ and only phases close in time make fair pairs. The processes keep glibc's heap b
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _harness import (
+    add_json_argument,
+    compare,
+    in_turns,
+    load_average,
+    machine,
+    machine_line,
+    ratio_text,
+    slowest_rank,
+    write_json,
+)
 
 import replicator as rp
 from replicator.launch import heap_kept_environment
@@ -127,7 +137,9 @@ def _plain_runner(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> R
     return run
 
 
-def _replicator_runner(repl: rp.Replicator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loop: str) -> Runner:
+def _replicator_runner(
+    repl: rp.Replicator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loop: str
+) -> Runner:
     """Drive replicator through `repl.run` (the public loop) or by calling step_fn directly.
 
     step_fn returns the local loss, not ctx.all_mean(loss): the peers do not reduce their
@@ -170,21 +182,19 @@ def _interleave(contenders: list[Contender], config: Config, barrier: Callable[[
     """
     samples = config.batch * (dist.get_world_size() if dist.is_initialized() else 1) * config.steps
     figures: dict[str, dict[str, list[float]]] = {c.name: {"rate": [], "step_ms": [], "cpu_ms": []} for c in contenders}
-    for repetition in range(config.repeats):
-        shift = repetition % len(contenders)
-        for contender in contenders[shift:] + contenders[:shift]:
-            contender.phase(config.warmup)
-            barrier()  # every process starts the timed steps together
-            stamps: list[float] = []
-            cpu_started = time.process_time()
-            started = time.perf_counter()
-            contender.phase(config.steps, stamps)
-            elapsed = time.perf_counter() - started
-            cpu = time.process_time() - cpu_started
-            steps = [later - earlier for earlier, later in zip([started, *stamps], stamps)]
-            figures[contender.name]["rate"].append(samples / slowest(elapsed))
-            figures[contender.name]["step_ms"].append(1e3 * statistics.median(steps))
-            figures[contender.name]["cpu_ms"].append(1e3 * cpu / config.steps)
+    for _, contender in in_turns(contenders, config.repeats):
+        contender.phase(config.warmup)
+        barrier()  # every process starts the timed steps together
+        stamps: list[float] = []
+        cpu_started = time.process_time()
+        started = time.perf_counter()
+        contender.phase(config.steps, stamps)
+        elapsed = time.perf_counter() - started
+        cpu = time.process_time() - cpu_started
+        steps = [later - earlier for earlier, later in zip([started, *stamps], stamps)]
+        figures[contender.name]["rate"].append(samples / slowest(elapsed))
+        figures[contender.name]["step_ms"].append(1e3 * statistics.median(steps))
+        figures[contender.name]["cpu_ms"].append(1e3 * cpu / config.steps)
     return figures
 
 
@@ -227,16 +237,12 @@ def two_process_job(config: Config) -> dict[str, Any]:
     if config.ceiling:
         alone = make_model(config)
         alone.load_state_dict(reference.state_dict())
-        contenders.append(Contender(NO_COMMUNICATION, alone, batches, _plain_runner(alone, make_optimizer(alone, config))))
+        alone_runner = _plain_runner(alone, make_optimizer(alone, config))
+        contenders.append(Contender(NO_COMMUNICATION, alone, batches, alone_runner))
     contenders.append(Contender("torch DDP", ddp_model, batches, _plain_runner(ddp, make_optimizer(ddp, config))))
 
-    def slowest(seconds: float) -> float:
-        # The job is as fast as its slowest process.
-        value = torch.tensor([seconds], dtype=torch.float64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return float(value.item())
-
-    figures = _interleave(contenders, config, dist.barrier, slowest)
+    # The job is as fast as its slowest process.
+    figures = _interleave(contenders, config, dist.barrier, slowest_rank)
 
     checks: dict[str, float] = {}
     ddp_flat = _flat_parameters(ddp_model)
@@ -279,7 +285,8 @@ def one_process_job(config: Config) -> dict[str, Any]:
         Contender(f"1 replica ({loop})", model, batches, _replicator_runner(repl, model, optimizer, loop))
         for loop, (model, optimizer) in replicas.items()
     ]
-    contenders.append(Contender("plain PyTorch loop", plain, batches, _plain_runner(plain, make_optimizer(plain, config))))
+    plain_runner = _plain_runner(plain, make_optimizer(plain, config))
+    contenders.append(Contender("plain PyTorch loop", plain, batches, plain_runner))
     figures = _interleave(contenders, config, lambda: None, lambda seconds: seconds)
     plain_flat = _flat_parameters(plain)
     checks = {
@@ -299,18 +306,14 @@ def _table(title: str, figures: dict[str, dict[str, list[float]]], peer: str, sa
         "| samples/s at median step | ratio | CPU ms/step (rank 0) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    peer_rates, peer_steps = figures[peer]["rate"], figures[peer]["step_ms"]
+    rates = compare({name: figure["rate"] for name, figure in figures.items()}, peer)
+    peer_step = statistics.median(figures[peer]["step_ms"])
     for name, figure in figures.items():
-        rates, steps = figure["rate"], figure["step_ms"]
-        median, step = statistics.median(rates), statistics.median(steps)
-        if name == peer:
-            ratio = paired = step_ratio = "(peer)"
-        else:
-            ratio = f"{median / statistics.median(peer_rates):.3f}"
-            paired = f"{statistics.median(r / p for r, p in zip(rates, peer_rates)):.3f}"
-            step_ratio = f"{statistics.median(peer_steps) / step:.3f}"
+        rate, step = rates[name], statistics.median(figure["step_ms"])
+        step_ratio = "(peer)" if name == peer else f"{peer_step / step:.3f}"
         lines.append(
-            f"| {name} | {median:,.0f} | {min(rates):,.0f}–{max(rates):,.0f} | {ratio} | {paired} "
+            f"| {name} | {rate.spread.median:,.0f} | {rate.spread.min:,.0f}–{rate.spread.max:,.0f} "
+            f"| {ratio_text(rate.ratio_of_medians)} | {ratio_text(rate.paired)} "
             f"| {1e3 * samples_per_step / step:,.0f} | {step_ratio} | {statistics.median(figure['cpu_ms']):.1f} |"
         )
     return lines
@@ -324,12 +327,11 @@ def _describe(config: Config) -> str:
 
 def _against_ceiling(figures: dict[str, dict[str, list[float]]]) -> list[str]:
     """Each synchronizing contender as a share of processes that never communicate, paired per repetition."""
-    ceiling = figures[NO_COMMUNICATION]["rate"]
+    shares = compare({name: figure["rate"] for name, figure in figures.items()}, NO_COMMUNICATION)
     lines = ["", f"Share of '{NO_COMMUNICATION}' (median paired ratio; the efficiency left after communication):"]
-    for name, figure in figures.items():
-        if name != NO_COMMUNICATION:
-            share = statistics.median(r / c for r, c in zip(figure["rate"], ceiling))
-            lines.append(f"  {name}: {share:.3f}")
+    for name, share in shares.items():
+        if share.paired is not None:
+            lines.append(f"  {name}: {share.paired:.3f}")
     return lines
 
 
@@ -343,16 +345,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=("mlp", "resnet"), default=Config.model,
                         help="the MLP, or the demo's ResNet on 32x32 images (batch 128 is the demo's)")
     parser.add_argument("--ceiling", action="store_true",
-                        help="also time 2 processes training alone, never communicating: the most any contender can reach")
+                        help="also time 2 processes training alone, never communicating: "
+                             "the most any contender can reach")
     parser.add_argument("--threads", type=int, default=Config.threads, help="torch threads per process")
     parser.add_argument("--loop", choices=("run", "step_fn", "both"), default="both",
                         help="drive replicator with repl.run(progress=False), by calling step_fn directly, or both")
     parser.add_argument("--reducers", default=",".join(Config.reducers),
-                        help="comma-separated replicator reducers to time against DDP (the first also with every --loop)")
+                        help="comma-separated replicator reducers to time against DDP "
+                             "(the first also with every --loop)")
     parser.add_argument("--only", choices=("2", "1", "both"), default="both", help="which comparison to run")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write every figure to this JSON file")
+    add_json_argument(parser, "data_parallel")
     parser.add_argument("--glibc-default", action="store_true",
-                        help="leave glibc's heap settings at their defaults instead of keeping the heap as the launcher does")
+                        help="leave glibc's heap settings at their defaults "
+                             "instead of keeping the heap as the launcher does")
     options = parser.parse_args(argv)
     if options.repeats < 1 or options.steps < 1 or options.warmup < 0 or options.batch < 1:
         parser.error("--repeats, --steps and --batch must be positive and --warmup non-negative")
@@ -363,12 +368,14 @@ def main(argv: list[str] | None = None) -> int:
         reducers=tuple(name.strip() for name in options.reducers.split(",") if name.strip()),
     )
     parameters = sum(p.numel() for p in make_model(config).parameters())
+    header = machine()
+    drivers = ["repl.run(progress=False)" if loop == "run" else "step_fn called directly" for loop in config.loops]
     print(
-        f"replicator {rp.__version__}, torch {torch.__version__}, {os.cpu_count()} CPU cores, "
-        f"{platform.processor() or platform.machine()}\n"
-        f"{_describe(config)} ({parameters / 1e6:.1f} M parameters), batch {config.batch} per replica, {config.threads} thread(s) per "
+        f"{machine_line(header)}\n"
+        f"{_describe(config)} ({parameters / 1e6:.1f} M parameters), batch {config.batch} per replica, "
+        f"{config.threads} thread(s) per "
         f"process, {config.repeats} repetitions x {config.steps} timed steps (+{config.warmup} warm-up), "
-        f"replicator driven by: {', '.join('repl.run(progress=False)' if loop == 'run' else 'step_fn called directly' for loop in config.loops)}",
+        f"replicator driven by: {', '.join(drivers)}",
         flush=True,
     )
     if not options.glibc_default:
@@ -378,11 +385,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(heap)  # before the first run_replicas starts its forkserver, which reads it
         print(f"glibc heap kept between steps, as `replicator launch` does: {heap or 'your own allocator settings'}")
     # Other people's work on the machine is the main source of noise; say how much there was.
-    load_before = os.getloadavg()[0]
+    load_before = load_average()[0]
     report: dict[str, Any] = {
-        "config": asdict(config), "parameters": parameters, "torch": torch.__version__, "cpu_count": os.cpu_count(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join([sys.executable, *sys.argv]),
-        "heap_kept": not options.glibc_default,
+        "config": asdict(config), "parameters": parameters, "heap_kept": not options.glibc_default,
     }
     lines: list[str] = []
     healthy = True
@@ -392,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         results = run_replicas(two_process_job, 2, config, timeout_s=60.0 + 30.0 * config.repeats * config.steps)
         first = results[0]
         report["two_processes"] = {
-            "figures_rank0": first["figures"], "cpu_ms_rank1": {k: v["cpu_ms"] for k, v in results[1]["figures"].items()},
+            "figures_rank0": first["figures"],
+            "cpu_ms_rank1": {k: v["cpu_ms"] for k, v in results[1]["figures"].items()},
             "checks": [r["checks"] for r in results], "backend": first["backend"],
         }
         lines += _table(f"2 processes ({first['backend']}, 127.0.0.1), global batch {2 * config.batch}:",
@@ -421,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         healthy &= ok
         lines.append(f"  parameters trained and identical to the plain loop's: {'yes' if ok else 'NO'}")
         lines.append(f"  ({time.perf_counter() - started:.0f} s)")
-    load_after = os.getloadavg()[0]
+    load_after = load_average()[0]
     report["load_average_1min"] = {"before": load_before, "after": load_after}
     lines.append(
         f"\n1-minute load average: {load_before:.2f} before, {load_after:.2f} after, on {os.cpu_count()} cores "
@@ -429,11 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         "CPU ms/step is the steadier measure of the work each contender does."
     )
     print("\n".join(lines), flush=True)
-    if options.json:
-        os.makedirs(os.path.dirname(os.path.abspath(options.json)), exist_ok=True)
-        with open(options.json, "w") as handle:
-            json.dump(report, handle, indent=2)
-        print(f"figures written to {options.json}")
+    write_json(options.json, report, header)
     return 0 if healthy else 1
 
 

@@ -1,8 +1,9 @@
 """GPU smoke test: one NCCL replica training ResNet-50 (bf16 autocast) against a plain PyTorch loop.
 
-Command (from the repository root, on a machine with a CUDA GPU):
+Command (from the repository root, on a machine with a CUDA GPU; figures go to
+benchmarks/results/gpu_smoke.json):
 
-    .venv/bin/python benchmarks/gpu_smoke.py --repeats 5 --steps 30 --batch 64 --json runs/gpu_smoke.json
+    .venv/bin/python benchmarks/gpu_smoke.py --repeats 5 --steps 30 --batch 64
 
 Without CUDA it prints why it skips and exits 0. `--cpu-dry-run` runs the same code path on
 the CPU with Gloo and tiny images, only to check the script itself where no GPU exists.
@@ -11,17 +12,15 @@ the CPU with Gloo and tiny images, only to check the script itself where no GPU 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _harness import Spread, add_json_argument, in_turns, machine, machine_line, paired_ratio, write_json
 from torch import nn
 
 import replicator as rp
@@ -46,7 +45,9 @@ class Bottleneck(nn.Module):
         self.bn3 = nn.BatchNorm2d(width)
         self.downsample: nn.Module | None = None
         if stride != 1 or inplanes != width:
-            self.downsample = nn.Sequential(nn.Conv2d(inplanes, width, 1, stride=stride, bias=False), nn.BatchNorm2d(width))
+            self.downsample = nn.Sequential(
+                nn.Conv2d(inplanes, width, 1, stride=stride, bias=False), nn.BatchNorm2d(width)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -56,7 +57,8 @@ class Bottleneck(nn.Module):
 
 
 class ResNet50(nn.Module):
-    """ResNet-50 (Bottleneck blocks [3, 4, 6, 3], 25.6 M parameters), defined here so torchvision is optional."""
+    """ResNet-50 (Bottleneck blocks [3, 4, 6, 3], 25.6 M parameters), defined here so torchvision is
+    optional."""
 
     def __init__(self, num_classes: int = 1000) -> None:
         super().__init__()
@@ -87,7 +89,9 @@ def _join_as_single_replica() -> None:
     )
 
 
-def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, device_type: str) -> Callable[[Batch], torch.Tensor]:
+def _plain_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, device_type: str
+) -> Callable[[Batch], torch.Tensor]:
     def step(batch: Batch) -> torch.Tensor:
         images, labels = batch
         optimizer.zero_grad()
@@ -107,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before each timed phase")
     parser.add_argument("--batch", type=int, default=64, help="images per step")
     parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--cpu-dry-run", action="store_true", help="no GPU: exercise the script on CPU/Gloo with tiny inputs")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write every figure to this JSON file")
+    parser.add_argument("--cpu-dry-run", action="store_true",
+                        help="no GPU: exercise the script on CPU/Gloo with tiny inputs")
+    add_json_argument(parser, "gpu_smoke")
     options = parser.parse_args(argv)
     if options.repeats < 1 or options.steps < 1 or options.warmup < 0 or options.batch < 1:
         parser.error("--repeats, --steps and --batch must be positive and --warmup non-negative")
@@ -121,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--cpu-dry-run is for machines without CUDA; on this one run the real smoke test")
         options.image_size, options.batch = min(options.image_size, 64), min(options.batch, 4)
     expected_backend, expected_device = ("gloo", "cpu") if options.cpu_dry_run else ("nccl", "cuda")
+    header = machine()
 
     _join_as_single_replica()
     repl = rp.Replicator()
@@ -184,47 +190,49 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    contenders: dict[str, Callable[[int], None]] = {"replicator, 1 replica (repl.run)": run_replicator, "plain PyTorch loop": run_plain}
+    contenders: dict[str, Callable[[int], None]] = {
+        "replicator, 1 replica (repl.run)": run_replicator, "plain PyTorch loop": run_plain,
+    }
     rates: dict[str, list[float]] = {name: [] for name in contenders}
     names = list(contenders)
-    for repetition in range(options.repeats):
-        for name in names[repetition % 2 :] + names[: repetition % 2]:  # alternate who goes first
-            contenders[name](options.warmup)
-            synchronize()
-            started = time.perf_counter()
-            contenders[name](options.steps)
-            synchronize()  # the GPU must have finished the work being timed
-            rates[name].append(options.batch * options.steps / (time.perf_counter() - started))
+    for _, name in in_turns(names, options.repeats):  # alternate who goes first
+        contenders[name](options.warmup)
+        synchronize()
+        started = time.perf_counter()
+        contenders[name](options.steps)
+        synchronize()  # the GPU must have finished the work being timed
+        rates[name].append(options.batch * options.steps / (time.perf_counter() - started))
 
     # Same weights, same data, same number of steps: a large gap would mean different work.
     checks["steps, replicator / plain"] = f"{repl.global_step} / {plain_steps}"
     verified = verified and repl.global_step == plain_steps
-    worst = max(float((a.detach().float() - b.detach().float()).abs().max()) for a, b in zip(model.parameters(), plain.parameters()))
+    worst = max(float((a.detach().float() - b.detach().float()).abs().max())
+                for a, b in zip(model.parameters(), plain.parameters()))
     scale = max(float(p.detach().abs().max()) for p in plain.parameters())
 
-    medians = {name: statistics.median(values) for name, values in rates.items()}
+    spreads = {name: Spread.of(values) for name, values in rates.items()}
+    medians = {name: spread.median for name, spread in spreads.items()}
     ratio = medians[names[0]] / medians[names[1]]
+    paired = paired_ratio(rates[names[0]], rates[names[1]])
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run: figures mean nothing)"
-    print(f"ResNet-50, {options.image_size}x{options.image_size}, batch {options.batch}, bf16 autocast, channels_last, on {where}")
-    print(f"torch {torch.__version__}; {options.repeats} repetitions x {options.steps} timed steps (+{options.warmup} warm-up)")
+    print(machine_line(header))
+    print(f"ResNet-50, {options.image_size}x{options.image_size}, batch {options.batch}, bf16 autocast, "
+          f"channels_last, on {where}")
+    print(f"{options.repeats} repetitions x {options.steps} timed steps (+{options.warmup} warm-up)")
     for key, value in checks.items():
         print(f"  {key}: {value}")
-    print(f"  NCCL and CUDA verified: {'yes' if verified else 'NO'}" if not options.cpu_dry_run else f"  Gloo and CPU verified (dry run): {'yes' if verified else 'NO'}")
+    what = "Gloo and CPU verified (dry run)" if options.cpu_dry_run else "NCCL and CUDA verified"
+    print(f"  {what}: {'yes' if verified else 'NO'}")
     print("\n| contender | median images/s | min | max |\n| --- | ---: | ---: | ---: |")
-    for name, values in rates.items():
-        print(f"| {name} | {medians[name]:,.1f} | {min(values):,.1f} | {max(values):,.1f} |")
-    print(f"\nratio replicator / plain loop: {ratio:.3f}")
+    for name, spread in spreads.items():
+        print(f"| {name} | {spread.median:,.1f} | {spread.min:,.1f} | {spread.max:,.1f} |")
+    print(f"\nratio replicator / plain loop: {ratio:.3f} (ratio of medians), {paired:.3f} (median paired)")
     print(f"parameter max |diff| after the runs: {worst:.3g} (largest parameter {scale:.3g}; bf16 and cuDNN's "
           "non-deterministic kernels allow small differences)")
-    if options.json:
-        os.makedirs(os.path.dirname(os.path.abspath(options.json)), exist_ok=True)
-        with open(options.json, "w") as handle:
-            json.dump({
-                "device": where, "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                "options": vars(options), "checks": checks, "verified": verified, "rates": rates,
-                "medians": medians, "ratio": ratio, "parameter_max_diff": worst,
-            }, handle, indent=2)
-        print(f"figures written to {options.json}")
+    write_json(options.json, {
+        "device": where, "options": vars(options), "checks": checks, "verified": verified, "rates": rates,
+        "medians": medians, "ratio": ratio, "paired_ratio": paired, "parameter_max_diff": worst,
+    }, header)
     repl.close()
     return 0 if verified else 1
 

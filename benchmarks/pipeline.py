@@ -1,8 +1,9 @@
 """GPipe throughput, bubble and memory: replicator against torch.distributed.pipelining and one process.
 
-Command (from the repository root; a few minutes on 2 cores):
+Command (from the repository root; a few minutes on 2 cores; figures go to
+benchmarks/results/pipeline.json):
 
-    .venv/bin/python benchmarks/pipeline.py --repeats 5 --steps 10 --json runs/pipeline.json
+    .venv/bin/python benchmarks/pipeline.py --repeats 5 --steps 10
 
 One job of 2 processes (Gloo on 127.0.0.1, 1 intra-op thread each) trains a deep MLP split
 into 2 stages with M = 8 micro-batches per mini-batch. Inside that job the contenders take
@@ -29,19 +30,30 @@ from __future__ import annotations
 
 import argparse
 import gc
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _harness import (
+    Spread,
+    add_json_argument,
+    busy_cpu_seconds,
+    gloo_thread_seconds,
+    in_turns,
+    load_average,
+    machine,
+    machine_line,
+    paired_ratio,
+    slowest_rank,
+    write_json,
+)
 from torch import nn
 
 import replicator as rp
@@ -84,7 +96,9 @@ class Config:
 def make_layers(config: Config) -> list[nn.Module]:
     """The whole model as a list of layers (each takes the previous one's output), identical on every call."""
     torch.manual_seed(config.seed)
-    blocks: list[nn.Module] = [nn.Sequential(nn.Linear(config.width, config.width), nn.ReLU()) for _ in range(config.blocks)]
+    blocks: list[nn.Module] = [
+        nn.Sequential(nn.Linear(config.width, config.width), nn.ReLU()) for _ in range(config.blocks)
+    ]
     return [*blocks, nn.Linear(config.width, config.classes)]
 
 
@@ -196,7 +210,8 @@ def first_step_sanity(repl: rp.Replicator, config: Config, batch: Batch) -> dict
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     module = nn.Sequential(*make_layers(config)[mine])
-    schedule = ScheduleGPipe(PipelineStage(module, repl.stage_id, STAGES, torch.device("cpu")), n_microbatches=config.chunks,
+    schedule = ScheduleGPipe(PipelineStage(module, repl.stage_id, STAGES, torch.device("cpu")),
+                             n_microbatches=config.chunks,
                              loss_fn=F.cross_entropy)
     losses: list[torch.Tensor] = []
     if repl.stage_id == 0:
@@ -218,9 +233,13 @@ def first_step_sanity(repl: rp.Replicator, config: Config, batch: Batch) -> dict
         "1 process loss": single_loss,
         "|replicator - ScheduleGPipe| loss": abs(loss - float(peer_loss)),
         "|replicator - 1 process| loss": abs(loss - single_loss),
-        "max |grad replicator - ScheduleGPipe|": max(float((a - b).abs().max()) for a, b in zip(ours, theirs, strict=True)),
-        "max |grad replicator - 1 process|": max(float((a - b).abs().max()) for a, b in zip(ours, reference, strict=True)),
+        "max |grad replicator - ScheduleGPipe|": _largest_difference(ours, theirs),
+        "max |grad replicator - 1 process|": _largest_difference(ours, reference),
     }
+
+
+def _largest_difference(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> float:
+    return max(float((a - b).abs().max()) for a, b in zip(ours, theirs, strict=True))
 
 
 def peak_memory(step: Callable[[], None]) -> float:
@@ -289,26 +308,6 @@ def memory_job(config: Config, case: str) -> dict[str, float]:
 # -- the job -----------------------------------------------------------------------------------
 
 
-def gloo_thread_seconds() -> float:
-    """CPU seconds this process's Gloo I/O threads have used (Linux /proc; 0 elsewhere)."""
-    total = 0.0
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return 0.0
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as handle:
-                if not handle.read().startswith("gloo"):
-                    continue
-            with open(f"/proc/self/task/{tid}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-        except (OSError, IndexError, ValueError):
-            continue  # a thread that ended meanwhile
-    return total
-
-
 def two_process_job(config: Config) -> dict[str, Any]:
     """One of the 2 processes: stage `rank` of every pipeline, and the single-process baseline on rank 0."""
     torch.set_num_threads(1)  # two processes then own one core each
@@ -327,7 +326,9 @@ def two_process_job(config: Config) -> dict[str, Any]:
         stage_ranks=repl.groups.stage_ranks, stage_group=repl.groups.stage, chunks=config.chunks, checkpoint="always",
         record=False,
     )
-    contenders.append(replicator_contender(always, make_optimizer(always, config), 'replicator, checkpoint="always"', None))
+    contenders.append(
+        replicator_contender(always, make_optimizer(always, config), 'replicator, checkpoint="always"', None)
+    )
     peer_module = nn.Sequential(*make_layers(config)[stage_slice(config, repl.stage_id)])
     contenders.append(torch_contender(peer_module, repl.stage_id, config)[0])
     contenders.append(single_contender(nn.Sequential(*make_layers(config)), config, split=False))
@@ -335,28 +336,25 @@ def two_process_job(config: Config) -> dict[str, Any]:
 
     figures: dict[str, dict[str, list[float]]] = {c.name: {"rate": [], "cpu_ms": [], "gloo_ms": []} for c in contenders}
     messages: list[float] = []  # point-to-point messages per timed step of the throughput contender
-    for repetition in range(config.repeats):
-        shift = repetition % len(contenders)
-        for contender in contenders[shift:] + contenders[:shift]:
-            active = contender.processes == 2 or rank == 0  # rank 1 idles through single-process phases
-            if active:
-                contender.phase(batches, config.warmup)
-            dist.barrier()  # the timed steps start together
-            recording[0] = True
-            cpu_started, gloo_started, started = time.process_time(), gloo_thread_seconds(), time.perf_counter()
-            posted = pipe.message_count
-            if active:
-                contender.phase(batches, config.steps)
-            elapsed = time.perf_counter() - started if active else 0.0
-            if contender is contenders[0]:
-                messages.append((pipe.message_count - posted) / config.steps)
-            cpu, gloo = time.process_time() - cpu_started, gloo_thread_seconds() - gloo_started
-            recording[0] = False
-            slowest = torch.tensor([elapsed], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the job is as fast as its slowest process
-            figures[contender.name]["rate"].append(config.batch * config.steps / float(slowest))
-            figures[contender.name]["cpu_ms"].append(1e3 * cpu / config.steps)
-            figures[contender.name]["gloo_ms"].append(1e3 * gloo / config.steps)
+    for _, contender in in_turns(contenders, config.repeats):
+        active = contender.processes == 2 or rank == 0  # rank 1 idles through single-process phases
+        if active:
+            contender.phase(batches, config.warmup)
+        dist.barrier()  # the timed steps start together
+        recording[0] = True
+        cpu_started, gloo_started, started = time.process_time(), gloo_thread_seconds(), time.perf_counter()
+        posted = pipe.message_count
+        if active:
+            contender.phase(batches, config.steps)
+        elapsed = time.perf_counter() - started if active else 0.0
+        if contender is contenders[0]:
+            messages.append((pipe.message_count - posted) / config.steps)
+        cpu, gloo = time.process_time() - cpu_started, gloo_thread_seconds() - gloo_started
+        recording[0] = False
+        slowest = slowest_rank(elapsed)  # the job is as fast as its slowest process
+        figures[contender.name]["rate"].append(config.batch * config.steps / slowest)
+        figures[contender.name]["cpu_ms"].append(1e3 * cpu / config.steps)
+        figures[contender.name]["gloo_ms"].append(1e3 * gloo / config.steps)
 
     gathered: list[Any] = [None] * STAGES
     dist.all_gather_object(gathered, timed_steps)
@@ -442,14 +440,12 @@ def report(config: Config, results: list[dict[str, Any]], memory: dict[str, list
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     def paired(name: str, other: str) -> float:
-        # The ratio within each repetition, then the median: load that drifts slower than a
-        # repetition cancels out.
-        return statistics.median(r / p for r, p in zip(figures[name]["rate"], figures[other]["rate"]))
+        return paired_ratio(figures[name]["rate"], figures[other]["rate"])
 
     for name, figure in figures.items():
-        rates = figure["rate"]
+        rates = Spread.of(figure["rate"])
         processes = 1 if name.startswith("1 process") else 2
-        lines.append(f"| {name} | {processes} | {medians[name]:,.0f} | {min(rates):,.0f} | {max(rates):,.0f} | "
+        lines.append(f"| {name} | {processes} | {rates.median:,.0f} | {rates.min:,.0f} | {rates.max:,.0f} | "
                      f"{paired(name, peer):.3f} | {statistics.median(figure['cpu_ms']):.0f} | "
                      f"{statistics.median(results[1]['figures'][name]['cpu_ms']):.0f} | "
                      f"{statistics.median(figure['gloo_ms']):.0f} | "
@@ -459,8 +455,10 @@ def report(config: Config, results: list[dict[str, Any]], memory: dict[str, list
         "",
         "speedups (median paired ratios of samples/s):",
         f"  ideal pipeline speedup K*M/(M+K-1) = {K}*{M}/{M + K - 1} = {ideal:.3f}",
-        f"  replicator (never) over 1 process, whole batch:        {speedup_whole:.3f} = {speedup_whole / ideal:.0%} of ideal",
-        f"  replicator (never) over 1 process, same micro-batches: {speedup_micro:.3f} = {speedup_micro / ideal:.0%} of ideal",
+        f"  replicator (never) over 1 process, whole batch:        {speedup_whole:.3f} = "
+        f"{speedup_whole / ideal:.0%} of ideal",
+        f"  replicator (never) over 1 process, same micro-batches: {speedup_micro:.3f} = "
+        f"{speedup_micro / ideal:.0%} of ideal",
         f"  torch ScheduleGPipe over 1 process, whole batch:       {paired(peer, whole):.3f}",
         f"  replicator (never) over torch ScheduleGPipe:           {ratio_peer:.3f}",
         "",
@@ -471,7 +469,8 @@ def report(config: Config, results: list[dict[str, Any]], memory: dict[str, list
     steps = [results[0]["steps"][s] for s in range(STAGES)]
     bubble = bubbles(steps, M)
     expected = (K - 1) / (M + K - 1)
-    lines += ["", f"bubble (replicator, checkpoint=\"never\", {len(bubble['idle, mean of the stages, of the schedule span'])} "
+    timed = len(bubble["idle, mean of the stages, of the schedule span"])
+    lines += ["", f"bubble (replicator, checkpoint=\"never\", {timed} "
               f"timed steps; medians), expected (K-1)/(M+K-1) = {expected:.1%}:"]
     for name, values in bubble.items():
         shown = f"{statistics.median(values):.2f}" if "ms" in name.split() else f"{statistics.median(values):.1%}"
@@ -511,17 +510,6 @@ def report(config: Config, results: list[dict[str, Any]], memory: dict[str, list
     return lines, summary, healthy
 
 
-def busy_cpu_seconds() -> float:
-    """CPU seconds the whole machine has been busy since boot, from /proc/stat (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/stat") as handle:
-            fields = [int(x) for x in handle.readline().split()[1:9]]
-    except OSError:
-        return 0.0
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=Config.repeats, help="interleaved repetitions per contender")
@@ -532,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--balance", default=None,
                         help="layers per stage, e.g. 9,8 (16 blocks + head = 17 layers; default: 8,9); "
                              "every contender gets the same split")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write every figure to this JSON file")
+    add_json_argument(parser, "pipeline")
     options = parser.parse_args(argv)
     if options.repeats < 1 or options.steps < 1 or options.warmup < 0 or options.microbatch < 1:
         parser.error("--repeats, --steps and --microbatch must be positive and --warmup non-negative")
@@ -540,19 +528,20 @@ def main(argv: list[str] | None = None) -> int:
     if options.balance is not None:
         split = tuple(int(count) for count in options.balance.split(","))
         if len(split) != STAGES or min(split) < 1 or sum(split) != Config.blocks + 1:
-            parser.error(f"--balance needs {STAGES} positive layer counts summing to {Config.blocks + 1}, got {options.balance}")
+            parser.error(f"--balance needs {STAGES} positive layer counts summing to {Config.blocks + 1}, "
+                         f"got {options.balance}")
     config = Config(repeats=options.repeats, steps=options.steps, warmup=options.warmup,
                     microbatch=options.microbatch, width=options.width, split=split)
     parameters = sum(p.numel() for p in nn.Sequential(*make_layers(config)).parameters())
+    header = machine()
     print(
-        f"replicator {rp.__version__}, torch {torch.__version__}, {os.cpu_count()} CPU cores, "
-        f"{platform.processor() or platform.machine()}, load average {os.getloadavg()[0]:.1f}\n"
+        f"{machine_line(header)}\n"
         f"MLP of {config.blocks} Linear({config.width}, {config.width})+ReLU blocks and a {config.classes}-way head "
         f"({parameters / 1e6:.1f} M parameters), {STAGES} stages (balance {config.balance}) x {config.chunks} "
         f"micro-batches of {config.microbatch}; 1 thread per process (the single-process baseline too)",
         flush=True,
     )
-    load_before = os.getloadavg()
+    load_before = load_average()
     started = time.perf_counter()
     busy_before = busy_cpu_seconds()
     per_phase = (config.warmup + config.steps) * 1.0
@@ -565,26 +554,19 @@ def main(argv: list[str] | None = None) -> int:
     lines, summary, healthy = report(config, results, memory)
     # How much of the machine the job really had: on a shared machine the other processes'
     # share is why 2 processes can fall short of 2 cores' worth of speedup.
-    machine = {"cores busy (mean)": busy / elapsed, "of which this job": ours / elapsed,
-               "of which other processes": (busy - ours) / elapsed}
-    load_after = os.getloadavg()
-    summary["machine"] = {**machine, "load average (1, 5, 15 min) before": load_before,
+    usage = {"cores busy (mean)": busy / elapsed, "of which this job": ours / elapsed,
+             "of which other processes": (busy - ours) / elapsed}
+    load_after = load_average()
+    summary["machine"] = {**usage, "load average (1, 5, 15 min) before": load_before,
                           "load average (1, 5, 15 min) after": load_after}
-    lines.append(f"\nduring the timed job ({elapsed:.0f} s): " + ", ".join(f"{k} {v:.2f}" for k, v in machine.items())
+    lines.append(f"\nduring the timed job ({elapsed:.0f} s): " + ", ".join(f"{k} {v:.2f}" for k, v in usage.items())
                  + f" of {os.cpu_count()} cores; load average (1, 5, 15 min) before "
                  + "/".join(f"{x:.1f}" for x in load_before) + ", after " + "/".join(f"{x:.1f}" for x in load_after))
     print("\n".join(lines), flush=True)
-    if options.json:
-        os.makedirs(os.path.dirname(os.path.abspath(options.json)), exist_ok=True)
-        document = {
-            "config": asdict(config), "parameters": parameters, "torch": torch.__version__, "cpu_count": os.cpu_count(),
-            "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join([sys.executable, *sys.argv]),
-            "summary": summary,
-            "per_rank": [{k: v for k, v in r.items() if k != "steps"} for r in results],
-        }
-        with open(options.json, "w") as handle:
-            json.dump(document, handle, indent=2)
-        print(f"figures written to {options.json}")
+    write_json(options.json, {
+        "config": asdict(config), "parameters": parameters, "summary": summary,
+        "per_rank": [{k: v for k, v in r.items() if k != "steps"} for r in results],
+    }, header)
     return 0 if healthy else 1
 
 

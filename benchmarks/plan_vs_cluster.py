@@ -1,8 +1,9 @@
-"""Does `replicator plan` predict the simulated cluster? Predicted against measured data-parallel step times, flat and hierarchical.
+"""Does `replicator plan` predict the simulated cluster? Predicted against measured steps, flat and hierarchical.
 
-Command (from the repository root, as root; about a minute on 2 cores):
+Command (from the repository root, as root; about a minute on 2 cores; figures go to
+benchmarks/results/plan_vs_cluster.json):
 
-    .venv/bin/python benchmarks/plan_vs_cluster.py --json runs/plan_vs_cluster.json
+    .venv/bin/python benchmarks/plan_vs_cluster.py
 
 On a SimulatedCluster of 2 nodes x 2 processes with `--link-mbit` links this measures, in one
 job:
@@ -29,8 +30,6 @@ bandwidth set to the raw line rate (headers then count as payload), and compute 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -40,14 +39,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _harness import add_json_argument, load_average, machine, machine_line, slowest_rank, write_json
+from allreduce import NO_COMMUNICATION, Config, forward_flops_per_sample, gradient_bytes, measure_steps
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ is not a package
-from allreduce import NO_COMMUNICATION, Config, forward_flops_per_sample, gradient_bytes, measure_steps, slowest  # noqa: E402
-
-from replicator.plan import Accelerator, Cluster, Reducer, Workload, predict  # noqa: E402
-from replicator.plan.calibrate import fit_alpha_beta, measure_matmul_flops  # noqa: E402
-from replicator.testing.cluster import SimulatedCluster, cluster_available  # noqa: E402
-from replicator.topology import build_process_groups, discover  # noqa: E402
+from replicator.plan import Accelerator, Cluster, Reducer, Workload, predict
+from replicator.plan.calibrate import fit_alpha_beta, measure_matmul_flops
+from replicator.testing.cluster import SimulatedCluster, cluster_available
+from replicator.topology import build_process_groups, discover
 
 KiB, MiB = 1 << 10, 1 << 20
 INTRA_SIZES = (4 * KiB, 64 * KiB, 512 * KiB, 2 * MiB, 8 * MiB)
@@ -75,7 +73,7 @@ def _group_times(group: Any, sizes: tuple[int, ...], repeats: int) -> list[tuple
             dist.barrier()
             started = time.perf_counter()
             dist.all_reduce(buffer, group=group)
-            seconds.append(slowest(time.perf_counter() - started))
+            seconds.append(slowest_rank(time.perf_counter() - started))
         samples.append((nbytes, statistics.median(seconds)))
     return samples
 
@@ -115,11 +113,13 @@ def predictions(config: Config, calibration: dict[str, Any], reducers: tuple[str
     for name in reducers:
         measured = statistics.median(times[name])
         row: dict[str, Any] = {"reducer": name, "measured_s": measured,
-                               "fit": {"intra_alpha_s": intra_alpha, "intra_beta": intra_beta, "inter_alpha_s": inter_alpha,
+                               "fit": {"intra_alpha_s": intra_alpha, "intra_beta": intra_beta,
+                                       "inter_alpha_s": inter_alpha,
                                        "inter_beta_fitted": inter_beta_fit, "inter_beta_used": goodput,
                                        "inter_line_rate": line_rate}}
-        for label, accelerator, described in (("predicted", fitted, cluster), ("predicted_no_overlap", serial, cluster),
-                                              ("predicted_line_rate", fitted, raw), ("predicted_matmul", matmul, cluster)):
+        variants = (("predicted", fitted, cluster), ("predicted_no_overlap", serial, cluster),
+                    ("predicted_line_rate", fitted, raw), ("predicted_matmul", matmul, cluster))
+        for label, accelerator, described in variants:
             prediction = predict(workload, accelerator, described, gpus, PLANNED[name], bucket)
             row[label + "_s"] = prediction.step_time
             row[label + "_error"] = (prediction.step_time - measured) / measured
@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="repeats per calibration size (small messages' latency is noisy on shared cores)")
     parser.add_argument("--step-repeats", type=int, default=5, help="interleaved repetitions per reducer")
     parser.add_argument("--steps", type=int, default=Config.steps, help="timed steps per phase")
-    parser.add_argument("--fp16", action="store_true", help="also compare fp16 compression (flat ring, 2-byte gradients)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write every figure to this JSON file")
+    parser.add_argument("--fp16", action="store_true",
+                        help="also compare fp16 compression (flat ring, 2-byte gradients)")
+    add_json_argument(parser, "plan_vs_cluster")
     options = parser.parse_args(argv)
     available, why = cluster_available()
     if not available:
@@ -151,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                     step_repeats=options.step_repeats, steps=options.steps)
     reducers = ("flat", "hierarchical", "fp16") if options.fp16 else ("flat", "hierarchical")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d cannot reverse-resolve peers inside a namespace
-    load_before = os.getloadavg()[0]
+    header = machine()
+    print(machine_line(header), flush=True)
+    load_before = header["load_average"][0]
     with SimulatedCluster(config.nodes, config.procs_per_node, config.link_mbit, mtu=config.mtu) as cluster:
         results = cluster.run(calibration_job, config, options.repeats, reducers, timeout_s=1800.0)
     calibration = results[0]
@@ -159,12 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     fit = rows[0]["fit"]
     compute = statistics.median(calibration["steps"]["times"][NO_COMMUNICATION])
     lines = [
-        f"Simulated cluster: {config.nodes} nodes x {config.procs_per_node} processes, {config.link_mbit:g} Mbit/s links; "
-        f"MLP {config.layers} x {config.width}x{config.width} + head, {gradient_bytes(config) / MiB:.1f} MiB gradients, "
+        f"Simulated cluster: {config.nodes} nodes x {config.procs_per_node} processes, "
+        f"{config.link_mbit:g} Mbit/s links; "
+        f"MLP {config.layers} x {config.width}x{config.width} + head, "
+        f"{gradient_bytes(config) / MiB:.1f} MiB gradients, "
         f"batch {config.batch} per replica, {config.bucket_mb:g} MiB buckets",
         f"intra-node fit: α = {fit['intra_alpha_s'] * 1e6:.0f} µs, β = {fit['intra_beta'] / 1e9:.2f} GB/s; "
         f"inter-node fit (both pairs at once, sharing the link): α = {fit['inter_alpha_s'] * 1e6:.0f} µs, "
-        f"β = {fit['inter_beta_fitted'] / 1e6:.1f} MB/s per pair (the planner is given the TCP payload rate of the link, "
+        f"β = {fit['inter_beta_fitted'] / 1e6:.1f} MB/s per pair "
+        f"(the planner is given the TCP payload rate of the link, "
         f"{fit['inter_beta_used'] / 1e6:.1f} MB/s per node = {payload_share(config.mtu):.1%} of its line rate "
         f"{fit['inter_line_rate'] / 1e6:.1f} MB/s)",
         f"compute: step without communication {compute * 1e3:.1f} ms "
@@ -177,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for row in rows:
         lines.append(
-            f"| {row['reducer']} | {row['measured_s'] * 1e3:.1f} | {row['predicted_s'] * 1e3:.1f} | {row['predicted_error']:+.1%} "
+            f"| {row['reducer']} | {row['measured_s'] * 1e3:.1f} | {row['predicted_s'] * 1e3:.1f} "
+            f"| {row['predicted_error']:+.1%} "
             f"| {row['planner_compute_s'] * 1e3:.1f} / {row['planner_exposed_s'] * 1e3:.1f} "
             f"| {row['predicted_no_overlap_s'] * 1e3:.1f} | {row['predicted_no_overlap_error']:+.1%} "
             f"| {row['predicted_line_rate_s'] * 1e3:.1f} | {row['predicted_line_rate_error']:+.1%} "
@@ -188,18 +195,14 @@ def main(argv: list[str] | None = None) -> int:
                  f"{'met' if worst <= TARGET else 'NOT met'}")
     for name, value in calibration["steps"]["checks"].items():
         lines.append(f"  check: {name} = {value:.3g}")
-    load_after = os.getloadavg()[0]
+    load_after = load_average()[0]
     lines.append(f"1-minute load average {load_before:.2f} before, {load_after:.2f} after, on {os.cpu_count()} cores")
     print("\n".join(lines), flush=True)
-    if options.json:
-        os.makedirs(os.path.dirname(os.path.abspath(options.json)), exist_ok=True)
-        report = {"config": asdict(config), "rows": rows, "calibration": {k: v for k, v in calibration.items() if k != "steps"},
-                  "step_times": calibration["steps"]["times"], "worst_error": worst, "met": worst <= TARGET,
-                  "load_average_1min": {"before": load_before, "after": load_after}, "torch": torch.__version__,
-                  "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join([sys.executable, *sys.argv])}
-        with open(options.json, "w") as handle:
-            json.dump(report, handle, indent=2)
-        print(f"figures written to {options.json}")
+    report = {"config": asdict(config), "rows": rows,
+              "calibration": {k: v for k, v in calibration.items() if k != "steps"},
+              "step_times": calibration["steps"]["times"], "worst_error": worst, "met": worst <= TARGET,
+              "load_average_1min": {"before": load_before, "after": load_after}}
+    write_json(options.json, report, header)
     return 0
 
 
