@@ -62,7 +62,9 @@ def _exchange(link: LocalLink, tensor: torch.Tensor) -> list[torch.Tensor]:
             for at, payload in enumerate(payloads)]
 
 
-_COMBINE: dict[Any, Callable[..., torch.Tensor]] = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum}
+_COMBINE: dict[Any, Callable[..., torch.Tensor]] = {
+    dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum,
+}
 
 
 def _reduce_rows(rows: list[torch.Tensor], op: Any) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from replicator import _env
+from replicator.comm.decision import everyone_agrees
 
 __all__ = ["LocalLink", "LinkError"]
 
@@ -100,11 +101,11 @@ class LocalLink:
                     ready = ready and _peer_credentials(peer) == (pids[lower], os.getuid())
             except OSError:
                 ready = False
-        if _everyone(ready, group):
+        if everyone_agrees(ready, group):
             assert listener is not None
             ready = _accept(listener, peers, {pids[higher]: higher for higher in range(position + 1, len(ranks))},
                             timeout_s / 2)
-            ready = _everyone(ready, group)
+            ready = everyone_agrees(ready, group)
         else:
             ready = False
         if listener is not None:
@@ -217,13 +218,6 @@ class LocalLink:
                 self._received_from[at] = ticket + 1
                 received.append((at, ticket, message[_TICKET.size :]))
         return received
-
-
-def _everyone(ready: bool, group: dist.ProcessGroup) -> bool:
-    """Whether every member is ready: all of them go on to the next phase together, or none."""
-    flag = torch.tensor([int(ready)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
 
 
 def _address(token: int, position: int) -> str:
