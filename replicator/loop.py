@@ -18,7 +18,7 @@ from replicator.health import OutputCheck
 from replicator.inputs import ReplicatedInput
 from replicator.sync.state import GradientState
 
-__all__ = ["StepLoop", "Observer", "InputPosition", "RunOutcome", "Checkpointer"]
+__all__ = ["StepLoop", "Observer", "InputPosition", "RunOutcome", "Checkpointer", "check_run_arguments"]
 
 
 class Observer(Protocol):
@@ -251,6 +251,19 @@ class StepLoop:
             f"on replica {self.context.replica_id}. Its gradients were averaged into every replica's update. Lower "
             "the learning rate or check the data (a checkpoint from before this step is safe to resume from), or "
             "pass rp.Replicator(nonfinite='skip') to drop such updates on every replica"
+        )
+
+
+def check_run_arguments(steps: int | None, checkpoint_every: int | None, checkpoint_dir: object,
+                        accumulation: int) -> None:
+    """Raise on a run() request that cannot be honoured, before any replica starts."""
+    if steps is not None and steps < 0:
+        raise ReplicatorUsageError(f"steps must be >= 0, got {steps}")
+    if checkpoint_every is not None and (checkpoint_dir is None or checkpoint_every < 1
+                                         or checkpoint_every % accumulation):
+        raise ReplicatorUsageError(
+            f"checkpoint_every={checkpoint_every} needs a checkpoint_dir and must be a positive multiple of the "
+            f"accumulation ({accumulation} micro-steps), so that checkpoints fall between updates"
         )
 
 

@@ -18,7 +18,7 @@ from replicator.errors import ReplicatorUsageError
 from replicator.health import NONFINITE_POLICIES, require_identical
 from replicator.inputs import ReplicatedInput
 from replicator.job import Job
-from replicator.loop import Checkpointer, InputPosition, Observer, StepLoop
+from replicator.loop import Checkpointer, InputPosition, Observer, StepLoop, check_run_arguments
 from replicator.scope import ModelScope
 from replicator.sync.buffers import average_buffers
 from replicator.sync.optimizer import SyncedOptimizers
@@ -95,8 +95,6 @@ class Replicator:
         )
         self.models = ModelScope(self.groups, self.device)
         self.last_run: dict[str, Any] = {}
-        self._times = StepTimes()
-        self.context.on_wait = self._times.add_communication
         self._stages: list[PipelineStage] = []
         self._input = InputPosition()
         self._restored = False
@@ -142,7 +140,7 @@ class Replicator:
         ends, every replica's parameters and buffers are overwritten with replica 0's, so
         all replicas start identical however they were seeded.
         """
-        with self.models.block(self._wrapped_parameters):
+        with self.models.block(self.optimizers.parameters):
             yield self
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -253,15 +251,7 @@ class Replicator:
         keeps the newest `keep`. Under `replicator launch --max-restarts R` that is all a
         script needs to survive the death of a replica.
         """
-        accumulation = self.optimizers.state.accumulation
-        if steps is not None and steps < 0:
-            raise ReplicatorUsageError(f"steps must be >= 0, got {steps}")
-        if checkpoint_every is not None and (checkpoint_dir is None or checkpoint_every < 1
-                                             or checkpoint_every % accumulation):
-            raise ReplicatorUsageError(
-                f"checkpoint_every={checkpoint_every} needs a checkpoint_dir and must be a positive multiple of the "
-                f"accumulation ({accumulation} micro-steps), so that checkpoints fall between updates"
-            )
+        check_run_arguments(steps, checkpoint_every, checkpoint_dir, self.optimizers.state.accumulation)
         if checkpoint_dir is not None and not self._restored and self.global_step == 0:
             from replicator.checkpoint import latest
 
@@ -270,12 +260,11 @@ class Replicator:
                 self.restore(last)
         show = self.is_main and (_env.progress() if progress is None else progress)
         times = StepTimes(warmup_steps=warmup_steps)
-        self._times = times
         self.context.on_wait = times.add_communication
         self.optimizers.set_on_wait(times.add_communication)
         if not self._checked_identical:
-            require_identical(self.job.replica_agreement, self.models.named_state(self._wrapped_parameters()),
-                              "at the start of run()")
+            named = self.models.named_state(self.optimizers.parameters())
+            require_identical(self.job.replica_agreement, named, "at the start of run()")
             self._checked_identical = True
         observers: list[Observer] = [times, Progress(steps, enabled=show)]
         if checkpoint_every and checkpoint_dir is not None:
@@ -349,9 +338,6 @@ class Replicator:
     def _trained_modules(self) -> list[torch.nn.Module]:
         """The modules built in scope(), or this process's pipeline stages."""
         return [stage.module for stage in self._stages] if self._stages else list(self.models.modules)
-
-    def _wrapped_parameters(self) -> list[torch.Tensor]:
-        return [p for w in self.optimizers.wrapped for g in w.optimizer.param_groups for p in g["params"]]
 
     # -- the job ---------------------------------------------------------------------------
     def barrier(self) -> None:

@@ -159,6 +159,10 @@ class SyncedOptimizers:
             print(f"replicator: step {self.state.step}: the averaged gradients of {wrapped.synchronizer.label} are "
                   "NaN or infinite; its update was skipped on every replica (nonfinite='skip')", flush=True)
 
+    def parameters(self) -> list[torch.Tensor]:
+        """Every wrapped optimizer's parameters, in order."""
+        return [p for w in self.wrapped for group in w.optimizer.param_groups for p in group["params"]]
+
     # -- accumulation ------------------------------------------------------------------
     def mid_accumulation(self) -> bool:
         """Is some optimizer between the micro-steps of one update?"""
