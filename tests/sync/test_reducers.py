@@ -15,12 +15,12 @@ import torch.nn.functional as F
 
 import replicator as rp
 from replicator.sync.bucket import Bucket, assign_buckets
-from replicator.sync.compression import CastReducer
-from replicator.sync import shared_memory
-from replicator.sync.hierarchical import HierarchicalSum, level_groups, plan_levels, replicas_per_node
 from replicator.sync.reducers import FlatReducer, make_reducer, parse_reducer
-from replicator.sync.shared_memory import SharedMemorySum
-from replicator.sync.worker import SummationReducer
+from replicator.sync.reducers import shm as shared_memory
+from replicator.sync.reducers._worker import SummationReducer
+from replicator.sync.reducers.compression import CastReducer
+from replicator.sync.reducers.hierarchical import HierarchicalSum, level_groups, plan_levels, replicas_per_node
+from replicator.sync.reducers.shm import SharedMemorySum
 from replicator.testing import run_replicas
 from replicator.topology import build_process_groups, discover
 

@@ -1,4 +1,4 @@
-"""Reduce-scatter and all-gather over one group: native where fast, a point-to-point ring on Gloo."""
+"""Reduce-scatter and all-gather over one group: native where fast, a point-to-point ring on Gloo (internal)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def _uses_ring(group: dist.ProcessGroup) -> bool:
 
 def _chunks(tensor: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
     if tensor.dim() != 1 or tensor.numel() % size:
-        raise ValueError(f"ring collectives need a flat tensor whose length divides by {size}, got {tuple(tensor.shape)}")
+        raise ValueError(
+            f"ring collectives need a flat tensor whose length divides by {size}, got {tuple(tensor.shape)}")
     return tensor.chunk(size)
 
 

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 
-from replicator.sync.summation import Summation
-from replicator.sync.worker import BucketReducer
-
-if TYPE_CHECKING:
-    from replicator.sync.bucket import Bucket
+from replicator.sync.bucket import Bucket
+from replicator.sync.reducers._summation import Summation
+from replicator.sync.reducers._worker import BucketReducer
 
 __all__ = ["CastReducer", "WIRE_TYPES"]
 

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from replicator.sync.summation import Summation
-from replicator.sync.worker import BucketReducer
-
-if TYPE_CHECKING:
-    from replicator.sync.bucket import Bucket
+from replicator.sync.bucket import Bucket
+from replicator.sync.reducers._summation import Summation
+from replicator.sync.reducers._worker import BucketReducer
 
 __all__ = ["PowerSGDReducer"]
 
@@ -37,7 +34,6 @@ class _BucketState:
     p_numel: int
     q_numel: int
     residual: torch.Tensor | None = None
-    rounds: int = 0
 
 
 class PowerSGDReducer(BucketReducer):
@@ -56,14 +52,12 @@ class PowerSGDReducer(BucketReducer):
     the gradients' leading subspace across steps. State is kept per bucket (by identity).
     """
 
-    def __init__(self, summation: Summation, rank: int, error_feedback: bool = True, warm_start: bool = True,
-                 seed: int = 0) -> None:
+    def __init__(self, summation: Summation, rank: int, error_feedback: bool = True, seed: int = 0) -> None:
         if rank < 1:
             raise ValueError(f"PowerSGD rank must be at least 1, got {rank}")
         self.summation = summation
         self.rank = rank
         self.error_feedback = error_feedback
-        self.warm_start = warm_start
         self.seed = seed
         self.name = f"powersgd:{rank}" + ("" if error_feedback else "+noef") + ("" if summation.name == "flat" else "@" + summation.name)
         super().__init__(self.name, summation.size)
@@ -97,7 +91,7 @@ class PowerSGDReducer(BucketReducer):
                 rank = min(self.rank, rows, cols)
                 # Compress only where the factors are smaller than the matrix.
                 if (rows + cols) * rank < rows * cols:
-                    q = self._random_q(bucket, position, cols, rank, 0, bucket.buffer)
+                    q = self._random_q(bucket, position, cols, rank, bucket.buffer)
                     matrices.append(_Matrix(position, start, rows, cols, rank, q))
                     continue
             if plain and plain[-1][0] + plain[-1][1] == start:
@@ -108,9 +102,10 @@ class PowerSGDReducer(BucketReducer):
             matrices, plain, sum(n for _, n in plain), sum(m.rows * m.rank for m in matrices), sum(m.cols * m.rank for m in matrices)
         )
 
-    def _random_q(self, bucket: Bucket, position: int, cols: int, rank: int, round_: int, like: torch.Tensor) -> torch.Tensor:
+    def _random_q(self, bucket: Bucket, position: int, cols: int, rank: int, like: torch.Tensor) -> torch.Tensor:
         # Seeded by place, not by rank of the process: every replica must start from the same Q.
-        generator = torch.Generator().manual_seed(((self.seed * 1_000_003 + bucket.index) * 1_000_003 + position) * 1_000_003 + round_)
+        generator = torch.Generator().manual_seed(((self.seed * 1_000_003 + bucket.index) * 1_000_003 + position)
+                                                  * 1_000_003)
         return torch.randn(cols, rank, generator=generator, dtype=torch.float32).to(device=like.device, dtype=like.dtype)
 
     def _reduce(self, buffer: torch.Tensor, bucket: Bucket) -> None:
@@ -121,10 +116,6 @@ class PowerSGDReducer(BucketReducer):
             compensated = grads.clone() if state.residual is None else grads + state.residual
         else:
             compensated = grads  # read only before the approximation overwrites it
-        if not self.warm_start and state.rounds > 0:
-            for m in state.matrices:
-                m.q = self._random_q(bucket, m.position, m.cols, m.rank, state.rounds, buffer)
-        state.rounds += 1
 
         first = torch.empty(state.plain_numel + state.p_numel + presence.numel(), dtype=buffer.dtype, device=buffer.device)
         offset = 0
@@ -170,7 +161,7 @@ class PowerSGDReducer(BucketReducer):
 
         for m, basis, q in zip(state.matrices, bases, qs):
             torch.matmul(basis, q.t(), out=self._matrix(grads, m))
-            if self.warm_start and counts[m.position] > 0:
+            if counts[m.position] > 0:  # warm start: Q'_sum seeds the next round's power iteration
                 m.q = q.clone()
         if self.error_feedback:
             for start, length in state.plain:
