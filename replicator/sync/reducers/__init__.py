@@ -190,7 +190,7 @@ class _WithoutBucket:
 
     def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup,
                bucket: Bucket | None = None) -> PendingReduction:
-        return self.reducer.reduce(buffer, group)  # type: ignore[attr-defined,no-any-return]
+        return self.reducer.reduce(buffer, group)  # type: ignore[attr-defined]
 
 
 def _takes_bucket(reducer: object) -> bool:

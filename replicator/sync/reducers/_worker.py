@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -157,8 +157,8 @@ class BucketReducer:
                 "and a key for its per-bucket state): call reduce(buffer, group, bucket)"
             )
         check_group(group, self._replicas, self.name, self._checked)
-        return self._worker.submit(lambda: self._reduce(buffer, bucket), f"{self.name} reduction of bucket {bucket.index}",
-                                   buffer.device)
+        label = f"{self.name} reduction of bucket {bucket.index}"
+        return self._worker.submit(lambda: self._reduce(buffer, bucket), label, buffer.device)
 
     def close(self) -> None:
         self._worker.close()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -148,7 +148,7 @@ class HierarchicalSum:
             handle = dist.all_reduce(views[-1], op=dist.ReduceOp.SUM, group=top, async_op=True)
             if crossing is not None:
                 _gather(*crossing, scatter)
-            crossing = (handle, views)  # type: ignore[assignment]
+            crossing = (handle, views)
         if crossing is not None:
             _gather(*crossing, scatter)
         if work is not flat:

@@ -1,4 +1,4 @@
-"""PowerSGD (Vogels et al., 2019): rank-r gradient compression by one power-iteration step, with error feedback and warm start."""
+"""PowerSGD (Vogels et al., 2019): rank-r gradient compression by one power-iteration step, warm-started."""
 
 from __future__ import annotations
 
@@ -48,8 +48,9 @@ class PowerSGDReducer(BucketReducer):
     Error feedback (on by default): each replica keeps what the approximation misses of
     its own M, (I - B B^T) M with B = orth(P_sum), and adds it to its next gradient of that
     bucket; over the replicas these add up exactly to what compression has not yet
-    delivered, so nothing is lost, only late. Warm start: Q'_sum seeds the next step's power iteration, which then tracks
-    the gradients' leading subspace across steps. State is kept per bucket (by identity).
+    delivered, so nothing is lost, only late. Warm start: Q'_sum seeds the next step's power
+    iteration, which then tracks the gradients' leading subspace across steps. State is kept
+    per bucket (by identity).
     """
 
     def __init__(self, summation: Summation, rank: int, error_feedback: bool = True, seed: int = 0) -> None:
@@ -59,7 +60,8 @@ class PowerSGDReducer(BucketReducer):
         self.rank = rank
         self.error_feedback = error_feedback
         self.seed = seed
-        self.name = f"powersgd:{rank}" + ("" if error_feedback else "+noef") + ("" if summation.name == "flat" else "@" + summation.name)
+        topology = "" if summation.name == "flat" else "@" + summation.name
+        self.name = f"powersgd:{rank}" + ("" if error_feedback else "+noef") + topology
         super().__init__(self.name, summation.size)
         self._states: weakref.WeakKeyDictionary[Bucket, _BucketState] = weakref.WeakKeyDictionary()
 
@@ -98,15 +100,15 @@ class PowerSGDReducer(BucketReducer):
                 plain[-1] = (plain[-1][0], plain[-1][1] + numel)  # neighbours travel as one slice
             else:
                 plain.append((start, numel))
-        return _BucketState(
-            matrices, plain, sum(n for _, n in plain), sum(m.rows * m.rank for m in matrices), sum(m.cols * m.rank for m in matrices)
-        )
+        return _BucketState(matrices, plain, sum(n for _, n in plain), sum(m.rows * m.rank for m in matrices),
+                            sum(m.cols * m.rank for m in matrices))
 
     def _random_q(self, bucket: Bucket, position: int, cols: int, rank: int, like: torch.Tensor) -> torch.Tensor:
         # Seeded by place, not by rank of the process: every replica must start from the same Q.
         generator = torch.Generator().manual_seed(((self.seed * 1_000_003 + bucket.index) * 1_000_003 + position)
                                                   * 1_000_003)
-        return torch.randn(cols, rank, generator=generator, dtype=torch.float32).to(device=like.device, dtype=like.dtype)
+        q = torch.randn(cols, rank, generator=generator, dtype=torch.float32)
+        return q.to(device=like.device, dtype=like.dtype)
 
     def _reduce(self, buffer: torch.Tensor, bucket: Bucket) -> None:
         state = self._state(bucket)
@@ -117,7 +119,8 @@ class PowerSGDReducer(BucketReducer):
         else:
             compensated = grads  # read only before the approximation overwrites it
 
-        first = torch.empty(state.plain_numel + state.p_numel + presence.numel(), dtype=buffer.dtype, device=buffer.device)
+        first = torch.empty(state.plain_numel + state.p_numel + presence.numel(), dtype=buffer.dtype,
+                            device=buffer.device)
         offset = 0
         for start, length in state.plain:
             first[offset : offset + length].copy_(compensated[start : start + length])

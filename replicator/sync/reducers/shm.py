@@ -65,7 +65,7 @@ def _reserve(descriptor: int, size: int, path: str) -> None:
 
 
 class _Segment:
-    """One mapping shared by the node's replicas: `replicas` rows of `numel` elements, row i being replica i's tensor."""
+    """One mapping shared by the node's replicas: `replicas` rows of `numel` elements, row i replica i's tensor."""
 
     def __init__(self, path: str, replicas: int, numel: int, dtype: torch.dtype) -> None:
         size = replicas * numel * torch.empty((), dtype=dtype).element_size()
@@ -76,7 +76,8 @@ class _Segment:
         try:
             info = os.fstat(descriptor)
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-                raise PermissionError(f"{path} is not a private file of this user; refusing to share gradients through it")
+                raise PermissionError(
+                    f"{path} is not a private file of this user; refusing to share gradients through it")
             os.ftruncate(descriptor, size)  # every replica asks for the same size: idempotent
             _reserve(descriptor, size, path)
             self._mapping = mmap.mmap(descriptor, size)
@@ -255,8 +256,9 @@ class SharedMemorySum:
         if arrival is None:
             self._barrier()
         elif not arrival.arrived():
-            raise ReplicaMismatchError("gradient buckets were not summed: the replicas reached different gradient "
-                                       "syncs (the error raised by backward(), train_step or the optimizer's step says which)")
+            raise ReplicaMismatchError(
+                "gradient buckets were not summed: the replicas reached different gradient syncs (the error "
+                "raised by backward(), train_step or the optimizer's step says which)")
 
     # Between a sum's first and last barrier, slice i of every row is replica i's alone: it adds
     # the peers' slices into its own row's, then writes the sum back into theirs. Each replica
@@ -287,7 +289,8 @@ class SharedMemorySum:
         chunks = -(-max(b - a for a, b in zip(bounds, bounds[1:])) // step)
 
         def chunk(owner: int, k: int) -> slice:
-            return slice(min(bounds[owner] + k * step, bounds[owner + 1]), min(bounds[owner] + (k + 1) * step, bounds[owner + 1]))
+            end = bounds[owner + 1]
+            return slice(min(bounds[owner] + k * step, end), min(bounds[owner] + (k + 1) * step, end))
 
         own = segment.rows[self.position]
         if not staged:
