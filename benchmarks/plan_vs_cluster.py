@@ -44,7 +44,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ is not a package
 from allreduce import NO_COMMUNICATION, Config, forward_flops_per_sample, gradient_bytes, measure_steps, slowest  # noqa: E402
 
-from replicator.plan import Accelerator, Cluster, Reducer, Workload, predict  # noqa: E402
+from replicator.plan import Accelerator, Cluster, Workload, predict  # noqa: E402
+from replicator.plan import ReduceAlgorithm as Reducer  # noqa: E402  (the planner renamed it)
 from replicator.plan.calibrate import fit_alpha_beta, measure_matmul_flops  # noqa: E402
 from replicator.testing.cluster import SimulatedCluster, cluster_available  # noqa: E402
 from replicator.topology import build_process_groups, discover  # noqa: E402
