@@ -53,13 +53,12 @@ class PowerSGDReducer(BucketReducer):
     per bucket (by identity).
     """
 
-    def __init__(self, summation: Summation, rank: int, error_feedback: bool = True, seed: int = 0) -> None:
+    def __init__(self, summation: Summation, rank: int, error_feedback: bool = True) -> None:
         if rank < 1:
             raise ValueError(f"PowerSGD rank must be at least 1, got {rank}")
         self.summation = summation
         self.rank = rank
         self.error_feedback = error_feedback
-        self.seed = seed
         topology = "" if summation.name == "flat" else "@" + summation.name
         self.name = f"powersgd:{rank}" + ("" if error_feedback else "+noef") + topology
         super().__init__(self.name, summation.size)
@@ -105,8 +104,7 @@ class PowerSGDReducer(BucketReducer):
 
     def _random_q(self, bucket: Bucket, position: int, cols: int, rank: int, like: torch.Tensor) -> torch.Tensor:
         # Seeded by place, not by rank of the process: every replica must start from the same Q.
-        generator = torch.Generator().manual_seed(((self.seed * 1_000_003 + bucket.index) * 1_000_003 + position)
-                                                  * 1_000_003)
+        generator = torch.Generator().manual_seed((bucket.index * 1_000_003 + position) * 1_000_003)
         q = torch.randn(cols, rank, generator=generator, dtype=torch.float32)
         return q.to(device=like.device, dtype=like.dtype)
 
