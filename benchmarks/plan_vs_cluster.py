@@ -42,7 +42,7 @@ import torch.distributed as dist
 from _harness import add_json_argument, load_average, machine, machine_line, slowest_rank, write_json
 from allreduce import NO_COMMUNICATION, Config, forward_flops_per_sample, gradient_bytes, measure_steps
 
-from replicator.plan import Accelerator, Cluster, Reducer, Workload, predict
+from replicator.plan import Accelerator, Cluster, ReduceAlgorithm, Workload, predict
 from replicator.plan.calibrate import fit_alpha_beta, measure_matmul_flops
 from replicator.testing.cluster import SimulatedCluster, cluster_available
 from replicator.topology import build_process_groups, discover
@@ -51,8 +51,8 @@ KiB, MiB = 1 << 10, 1 << 20
 INTRA_SIZES = (4 * KiB, 64 * KiB, 512 * KiB, 2 * MiB, 8 * MiB)
 INTER_SIZES = (4 * KiB, 64 * KiB, 512 * KiB, 2 * MiB)
 # replicator's reducer -> the planner's: a Gloo all-reduce over the world is a ring in rank order.
-PLANNED = {"flat": Reducer("flat-ring", "ring"), "hierarchical": Reducer("hierarchical", "hierarchical"),
-           "fp16": Reducer("flat-ring+fp16", "ring", gradient_bytes=2)}
+PLANNED = {"flat": ReduceAlgorithm("flat-ring", "ring"), "hierarchical": ReduceAlgorithm("hierarchical", "hierarchical"),
+           "fp16": ReduceAlgorithm("flat-ring+fp16", "ring", gradient_bytes=2)}
 TARGET = 0.15
 
 

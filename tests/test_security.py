@@ -199,7 +199,7 @@ def test_a_checkpoint_entry_holding_pickled_code_is_refused(tmp_path: Path) -> N
 
 # -- shared memory: a name planted in /dev/shm is refused, not followed ---------------------------
 def test_a_shared_memory_segment_never_follows_a_planted_symlink(tmp_path: Path) -> None:
-    shared_memory = pytest.importorskip("replicator.sync.shared_memory")
+    shared_memory = pytest.importorskip("replicator.sync.reducers.shm")
     directory = Path(shared_memory.SHARED_MEMORY_DIR)
     if not directory.is_dir() or not os.access(directory, os.W_OK):
         pytest.skip(f"{directory} is not writable here")

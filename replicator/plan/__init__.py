@@ -1,7 +1,18 @@
 """Alpha–beta scaling planner: collective costs, the step model, the planner and calibration (`replicator plan`)."""
 
 from replicator.plan.cost import Level, all_reduce_time
-from replicator.plan.planner import REDUCERS, Cluster, Plan, Prediction, Reducer, Tier, best_bucket, gpu_counts, plan, predict
+from replicator.plan.planner import (
+    REDUCERS,
+    Cluster,
+    Plan,
+    Prediction,
+    ReduceAlgorithm,
+    Tier,
+    best_bucket,
+    gpu_counts,
+    plan,
+    predict,
+)
 from replicator.plan.step import Accelerator, Pipeline, StepBreakdown, Workload, step_time
 
 __all__ = [
@@ -14,7 +25,7 @@ __all__ = [
     "step_time",
     "Tier",
     "Cluster",
-    "Reducer",
+    "ReduceAlgorithm",
     "REDUCERS",
     "Prediction",
     "Plan",

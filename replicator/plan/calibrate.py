@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = ["Calibration", "measure_matmul_flops", "measure_all_reduce", "fit_alpha_beta", "calibrate"]
 

@@ -7,7 +7,17 @@ import sys
 from typing import TYPE_CHECKING
 
 from replicator.plan import presets
-from replicator.plan.planner import MB, REDUCERS, Cluster, Plan, Prediction, gpu_counts, plan, with_compression
+from replicator.plan.planner import (
+    MB,
+    REDUCERS,
+    Cluster,
+    Plan,
+    Prediction,
+    ReduceAlgorithm,
+    gpu_counts,
+    plan,
+    with_compression,
+)
 from replicator.plan.step import Accelerator, Workload
 
 if TYPE_CHECKING:
@@ -66,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     choices = parser.add_argument_group("what to consider")
     choices.add_argument("--bucket-mb", type=float, default=None, help="fix the gradient bucket (default: search)")
     choices.add_argument("--fp16", action="store_true", help="also consider fp16 gradient compression")
-    choices.add_argument("--max-stages", type=int, default=1, help="also consider pipelines up to K stages (default: 1)")
+    choices.add_argument("--max-stages", type=int, default=1,
+                         help="also consider pipelines up to K stages (default: 1)")
     choices.add_argument("--recompute", action="store_true", help="pipelines re-materialize activations (GPipe)")
     choices.add_argument("--activation-mb", type=float, default=0.0,
                          help="MB per sample that crosses a pipeline stage boundary (default: 0)")
@@ -89,7 +100,7 @@ def _workload(options: argparse.Namespace) -> Workload:
     return Workload(params, flops, options.batch_per_gpu, activation_bytes_per_sample=options.activation_mb * MB)
 
 
-def _console() -> "Console":
+def _console() -> Console:
     # rich is imported here, not at the top: `replicator --help` should not pay for it.
     from rich.console import Console
 
@@ -106,25 +117,27 @@ def _rate(samples_per_second: float) -> str:
 
 
 def _shape(prediction: Prediction) -> str:
+    """The recommended configuration as `rp.Replicator(...)` arguments, ready to paste."""
     if prediction.gpus == 1:
         return "one GPU, no communication"
     pipe = prediction.pipeline
-    shape = f"{prediction.reducer}, {prediction.bucket / MB:.3g} MB"
-    return shape if pipe.stages == 1 else f"{shape}, K={pipe.stages} M={pipe.micro_batches}"
+    shape = f"reducer={prediction.reducer!r}, bucket_cap_mb={prediction.bucket / MB:.3g}"
+    return shape if pipe.stages == 1 else f"{shape}, stages={pipe.stages}, chunks={pipe.micro_batches}"
 
 
-def _print_plan(result: Plan, reducers: list[str], title: str) -> None:
+def _print_plan(result: Plan, algorithms: list[ReduceAlgorithm], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
     table.add_column("GPUs", justify="right")
-    for name in reducers:
-        table.add_column(f"{name}\neff. step bucket", justify="right")
+    for algorithm in algorithms:
+        # The model's name, then the runtime reducer that runs it (what Replicator(reducer=...) takes).
+        table.add_column(f"{algorithm.name}\n{algorithm.reducer}\neff. step bucket", justify="right")
     table.add_column("recommended", justify="left")
     table.add_column("samples/s", justify="right")
     for gpus in result.gpu_counts:
         best = result.recommended[gpus]
-        row = [str(gpus)] + [_cell(result.predictions[(gpus, name)]) for name in reducers]
+        row = [str(gpus)] + [_cell(result.predictions[(gpus, algorithm.name)]) for algorithm in algorithms]
         table.add_row(*row, _shape(best), _rate(best.throughput))
     console = _console()
     console.print(table)
@@ -142,11 +155,11 @@ def _print_reproduction() -> None:
     from rich.table import Table
 
     table = Table(title="Published scaling results against this model (inputs: replicator/plan/presets.py)")
-    for column in ("case", "GPUs", "reducer", "bucket", "step", "exposed comm.", "predicted", "published", "diff."):
-        table.add_column(column, justify="left" if column in ("case", "reducer") else "right")
+    for column in ("case", "GPUs", "algorithm", "bucket", "step", "exposed comm.", "predicted", "published", "diff."):
+        table.add_column(column, justify="left" if column in ("case", "algorithm") else "right")
     for case in presets.PUBLISHED_CASES:
         p = case.predict()
-        table.add_row(case.key, str(case.gpus), case.reducer.name, f"{case.bucket / MB:g} MB",
+        table.add_row(case.key, str(case.gpus), case.algorithm.name, f"{case.bucket / MB:g} MB",
                       f"{p.step_time * 1e3:.1f} ms", f"{p.step.exposed * 1e3:.1f} ms", f"{p.efficiency:.1%}",
                       f"{case.published_efficiency:.0%}", f"{(p.efficiency - case.published_efficiency) * 100:+.1f} pt")
     _console().print(table)
@@ -159,7 +172,8 @@ def main(options: argparse.Namespace) -> int:
             _print_reproduction()
             return 0
         workload = _workload(options)
-        gpu_flops, intra_bw, intra_latency = options.gpu_flops * 1e12, options.intra_bw * 1e9, options.intra_latency * 1e-6
+        gpu_flops, intra_bw = options.gpu_flops * 1e12, options.intra_bw * 1e9
+        intra_latency = options.intra_latency * 1e-6
         if options.calibrate:
             from replicator.plan.calibrate import calibrate
 
@@ -175,8 +189,8 @@ def main(options: argparse.Namespace) -> int:
             gpu_flops, intra_bw, intra_latency = measured.matmul_flops, measured.beta, measured.alpha
             _console().print(
                 f"Calibrated: matmul {measured.matmul_flops / 1e9:.1f} GFLOP/s; loopback Gloo all-reduce over "
-                f"{measured.world_size} processes: α = {measured.alpha * 1e6:.1f} µs, β = {measured.beta / 1e9:.2f} GB/s "
-                f"(used for the intra-node tier)."
+                f"{measured.world_size} processes: α = {measured.alpha * 1e6:.1f} µs, "
+                f"β = {measured.beta / 1e9:.2f} GB/s (used for the intra-node tier)."
             )
         if options.gpus_per_node < 1:
             raise ValueError(f"--gpus-per-node must be >= 1, got {options.gpus_per_node}")
@@ -191,8 +205,9 @@ def main(options: argparse.Namespace) -> int:
         result = plan(workload, accelerator, cluster, counts, reducers, buckets, options.max_stages, options.recompute)
         name = options.model or ("custom" if options.params is not None else "resnet50")
         title = (f"{name}: {workload.params / 1e6:.1f} M params, {workload.flops_per_sample / 1e9:.2f} GFLOP/sample, "
-                 f"batch {workload.batch_per_gpu}/GPU, {options.gpus_per_node} GPUs/node, overlap {accelerator.overlap:g}")
-        _print_plan(result, [r.name for r in reducers], title)
+                 f"batch {workload.batch_per_gpu}/GPU, {options.gpus_per_node} GPUs/node, "
+                 f"overlap {accelerator.overlap:g}")
+        _print_plan(result, list(reducers), title)
         return 0
     except ValueError as error:
         print(f"replicator plan: {error}", file=sys.stderr)

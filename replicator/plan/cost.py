@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 __all__ = [
     "Level",
@@ -85,7 +85,8 @@ def rhd_reduce_scatter(p: int, nbytes: float, alpha: float, beta: float) -> floa
     """Recursive halving: log2(p) steps of S/2, S/4, ...: log2(p)α + (p-1)/p · S/β (p a power of two)."""
     _check(p, nbytes)
     if not _is_power_of_two(p):
-        raise ValueError(f"recursive halving needs a power-of-two group, got {p}; use rhd_all_reduce, which folds the extras")
+        raise ValueError(
+            f"recursive halving needs a power-of-two group, got {p}; use rhd_all_reduce, which folds the extras")
     return math.log2(p) * alpha + (p - 1) / p * nbytes / beta
 
 

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 from replicator.plan.cost import Level, all_reduce_time
-from replicator.plan.step import Accelerator, Pipeline, StepBreakdown, Workload, step_time
+from replicator.plan.step import NO_PIPELINE, Accelerator, Pipeline, StepBreakdown, Workload, step_time
 
 __all__ = [
     "Tier",
     "Cluster",
-    "Reducer",
+    "ReduceAlgorithm",
     "REDUCERS",
+    "runtime_reducer",
     "with_compression",
     "Prediction",
     "Plan",
@@ -59,7 +60,7 @@ class Cluster:
 
     @classmethod
     def two_level(cls, gpus_per_node: int, intra_bandwidth: float, intra_latency: float,
-                  inter_bandwidth: float, inter_latency: float) -> "Cluster":
+                  inter_bandwidth: float, inter_latency: float) -> Cluster:
         """Nodes of `gpus_per_node` GPUs; `inter_bandwidth` is one node's network port, shared by its GPUs."""
         return cls((
             Tier("intra-node", gpus_per_node, intra_bandwidth, intra_latency),
@@ -92,25 +93,67 @@ class Cluster:
         return levels
 
 
+# The runtime reducer that runs each cost model's algorithm. A flat all-reduce is one call whose
+# algorithm the backend picks (Gloo and NCCL choose ring or halving-doubling by size and topology):
+# both flat models are priced separately but run as 'flat'.
+_RUNTIME_REDUCERS = {"ring": "flat", "rhd": "flat", "hierarchical": "hierarchical"}
+# Wire types a compressed runtime reducer can send, by their bytes per element.
+_WIRE_TYPES = {2: "fp16"}
+
+
 @dataclass(frozen=True)
-class Reducer:
-    """How gradients are summed: an all-reduce algorithm and the bytes per element on the wire (None: the workload's)."""
+class ReduceAlgorithm:
+    """How the planner prices summing gradients, and the runtime reducer that does it.
+
+    `name` labels it in tables; `algorithm` picks the cost formula (a key of
+    `cost.ALGORITHMS`); `gradient_bytes` is the bytes per element on the wire (None: the
+    workload's). `reducer` is the string to pass to `Replicator(reducer=...)`; left empty,
+    it is derived from the algorithm and the wire type.
+    """
 
     name: str
     algorithm: str
     gradient_bytes: int | None = None
+    reducer: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.reducer:
+            object.__setattr__(self, "reducer", runtime_reducer(self.algorithm, self.gradient_bytes))
 
 
-REDUCERS: tuple[Reducer, ...] = (
-    Reducer("flat-ring", "ring"),
-    Reducer("flat-rhd", "rhd"),
-    Reducer("hierarchical", "hierarchical"),
+def runtime_reducer(algorithm: str, gradient_bytes: int | None = None) -> str:
+    """The `Replicator(reducer=...)` string that runs `algorithm` with `gradient_bytes` per element on the wire."""
+    if algorithm not in _RUNTIME_REDUCERS:
+        raise ValueError(f"no runtime reducer runs the all-reduce algorithm {algorithm!r}; "
+                         f"known: {', '.join(_RUNTIME_REDUCERS)}")
+    topology = _RUNTIME_REDUCERS[algorithm]
+    if gradient_bytes is None or gradient_bytes == 4:
+        return topology
+    if gradient_bytes not in _WIRE_TYPES:
+        raise ValueError(f"no runtime reducer sends {gradient_bytes}-byte gradients; "
+                         f"give ReduceAlgorithm(reducer=...) or use {sorted(_WIRE_TYPES)} bytes")
+    wire = _WIRE_TYPES[gradient_bytes]
+    return wire if topology == "flat" else f"{wire}@{topology}"
+
+
+REDUCERS: tuple[ReduceAlgorithm, ...] = (
+    ReduceAlgorithm("flat-ring", "ring", reducer="flat"),
+    ReduceAlgorithm("flat-rhd", "rhd", reducer="flat"),
+    ReduceAlgorithm("hierarchical", "hierarchical", reducer="hierarchical"),
 )
 
 
-def with_compression(reducers: Sequence[Reducer], gradient_bytes: int = 2, suffix: str = "+fp16") -> tuple[Reducer, ...]:
-    """The reducers plus a variant of each that sends gradients in a 2-byte type (changes numerics: opt-in)."""
-    return tuple(reducers) + tuple(Reducer(r.name + suffix, r.algorithm, gradient_bytes) for r in reducers)
+def with_compression(algorithms: Sequence[ReduceAlgorithm], wire: str = "fp16") -> tuple[ReduceAlgorithm, ...]:
+    """The algorithms plus a variant of each that sends gradients in a 2-byte type (changes numerics: opt-in).
+
+    `wire` is the runtime's 16-bit type, "fp16" or "bf16"; the cost is the same for both.
+    """
+    if wire not in ("fp16", "bf16"):
+        raise ValueError(f"wire must be 'fp16' or 'bf16', got {wire!r}")
+    return tuple(algorithms) + tuple(
+        ReduceAlgorithm(f"{a.name}+{wire}", a.algorithm, 2, wire if a.reducer == "flat" else f"{wire}@{a.reducer}")
+        for a in algorithms
+    )
 
 
 @dataclass(frozen=True)
@@ -118,12 +161,17 @@ class Prediction:
     """One configuration's predicted step and its scaling against one GPU with the same per-GPU batch."""
 
     gpus: int
-    reducer: str
+    algorithm: ReduceAlgorithm
     bucket: float
     pipeline: Pipeline
     step: StepBreakdown
     single_gpu_step: float
     samples_per_step: int
+
+    @property
+    def reducer(self) -> str:
+        """What to pass to `Replicator(reducer=...)` for this prediction."""
+        return self.algorithm.reducer
 
     @property
     def step_time(self) -> float:
@@ -178,8 +226,8 @@ def _replica_levels(levels: list[Level], stages: int) -> list[Level]:
     return result
 
 
-def predict(workload: Workload, accelerator: Accelerator, cluster: Cluster, gpus: int, reducer: Reducer,
-            bucket: float, pipeline: Pipeline = Pipeline()) -> Prediction:
+def predict(workload: Workload, accelerator: Accelerator, cluster: Cluster, gpus: int, reducer: ReduceAlgorithm,
+            bucket: float, pipeline: Pipeline = NO_PIPELINE) -> Prediction:
     """Predicted step on `gpus` GPUs with one reducer, bucket size and pipeline shape."""
     if gpus % pipeline.stages:
         raise ValueError(f"{gpus} GPUs cannot hold whole replicas of {pipeline.stages} stages")
@@ -202,7 +250,7 @@ def predict(workload: Workload, accelerator: Accelerator, cluster: Cluster, gpus
 
     step = step_time(wire, accelerator, all_reduce if replicas > 1 else None, bucket, pipeline, p2p)
     single = step_time(workload, accelerator, None, bucket).total
-    return Prediction(gpus, reducer.name, bucket, pipeline, step, single, gpus * workload.batch_per_gpu)
+    return Prediction(gpus, reducer, bucket, pipeline, step, single, gpus * workload.batch_per_gpu)
 
 
 def _buckets_for(workload: Workload, buckets: Sequence[float] | None) -> list[float]:
@@ -217,8 +265,8 @@ def _pick(candidates: list[Prediction], tolerance: float) -> Prediction:
     return next(c for c in candidates if c.step_time <= fastest * (1 + tolerance))
 
 
-def best_bucket(workload: Workload, accelerator: Accelerator, cluster: Cluster, gpus: int, reducer: Reducer,
-                pipeline: Pipeline = Pipeline(), buckets: Sequence[float] | None = None,
+def best_bucket(workload: Workload, accelerator: Accelerator, cluster: Cluster, gpus: int, reducer: ReduceAlgorithm,
+                pipeline: Pipeline = NO_PIPELINE, buckets: Sequence[float] | None = None,
                 tolerance: float = TOLERANCE) -> Prediction:
     """The largest bucket whose step is within `tolerance` of the fastest.
 
@@ -248,7 +296,7 @@ def gpu_counts(cluster: Cluster, max_gpus: int) -> list[int]:
 
 
 def _pipelines(gpus: int, batch_per_gpu: int, max_stages: int, recompute: bool) -> list[Pipeline]:
-    shapes = [Pipeline()]
+    shapes = [NO_PIPELINE]
     stages = 2
     while stages <= min(max_stages, gpus):
         if gpus % stages == 0:
@@ -261,7 +309,7 @@ def _pipelines(gpus: int, batch_per_gpu: int, max_stages: int, recompute: bool) 
 
 
 def plan(workload: Workload, accelerator: Accelerator, cluster: Cluster, counts: Sequence[int],
-         reducers: Sequence[Reducer] = REDUCERS, buckets: Sequence[float] | None = None,
+         reducers: Sequence[ReduceAlgorithm] = REDUCERS, buckets: Sequence[float] | None = None,
          max_stages: int = 1, recompute: bool = False, tolerance: float = TOLERANCE) -> Plan:
     """Predict every GPU count × reducer (best bucket each) and recommend one configuration per GPU count.
 
@@ -277,7 +325,7 @@ def plan(workload: Workload, accelerator: Accelerator, cluster: Cluster, counts:
         for pipeline in _pipelines(gpus, workload.batch_per_gpu, max_stages, recompute):
             for reducer in reducers:
                 best = best_bucket(workload, accelerator, cluster, gpus, reducer, pipeline, buckets, tolerance)
-                if pipeline == Pipeline():
+                if pipeline == NO_PIPELINE:
                     result.predictions[(gpus, reducer.name)] = best
                 candidates.append(best)
         result.recommended[gpus] = _pick(candidates, tolerance)

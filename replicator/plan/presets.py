@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from replicator.plan.planner import MB, Cluster, Prediction, Reducer, predict
+from replicator.plan.planner import MB, Cluster, Prediction, ReduceAlgorithm, predict
 from replicator.plan.step import Accelerator, Workload
 
 __all__ = [
@@ -43,9 +43,11 @@ class ModelPreset:
 # counts a fused multiply-add as 2, so forward FLOPs = 2 × GMAC.
 MODELS: dict[str, ModelPreset] = {
     "resnet50": ModelPreset("resnet50", 25_557_032, 2 * 4.09e9,
-                            "torchvision model table: 25,557,032 params, 4.09 GMAC at 224×224 (He et al. 2016: 3.8 GMAC)"),
+                            "torchvision model table: 25,557,032 params, 4.09 GMAC at 224×224 "
+                            "(He et al. 2016: 3.8 GMAC)"),
     "resnet101": ModelPreset("resnet101", 44_549_160, 2 * 7.80e9,
-                             "torchvision model table: 44,549,160 params, 7.80 GMAC at 224×224 (He et al. 2016: 7.6 GMAC)"),
+                             "torchvision model table: 44,549,160 params, 7.80 GMAC at 224×224 "
+                             "(He et al. 2016: 7.6 GMAC)"),
     "inception_v3": ModelPreset("inception_v3", 23_851_784, 2 * 5.71e9,
                                 "Keras Applications (TensorFlow, no auxiliary head): 23,851,784 params; "
                                 "torchvision: 5.71 GMAC at 299×299"),
@@ -93,7 +95,7 @@ class PublishedCase:
     intra: Hardware
     inter: Hardware
     batch_per_gpu: int
-    reducer: Reducer
+    algorithm: ReduceAlgorithm  # how the published system summed gradients
     published_efficiency: float
     source: str
     batch_source: str
@@ -118,7 +120,7 @@ class PublishedCase:
         cluster = Cluster.two_level(self.gpus_per_node, self.intra.value * bandwidth_scale, intra_latency,
                                     self.inter.value * bandwidth_scale, network_latency)
         accelerator = replace(self.accelerator_model(), efficiency=efficiency)
-        return predict(self.workload(), accelerator, cluster, self.gpus, self.reducer, bucket or self.bucket)
+        return predict(self.workload(), accelerator, cluster, self.gpus, self.algorithm, bucket or self.bucket)
 
 
 PUBLISHED_CASES: tuple[PublishedCase, ...] = (
@@ -133,7 +135,7 @@ PUBLISHED_CASES: tuple[PublishedCase, ...] = (
         inter=INFINIBAND_EDR,
         batch_per_gpu=32,
         # DDL's multi-ring: rings inside the node, then across nodes on the shards.
-        reducer=Reducer("hierarchical", "hierarchical"),
+        algorithm=ReduceAlgorithm("hierarchical", "hierarchical", reducer="hierarchical"),
         published_efficiency=0.95,
         source="Cho et al., PowerAI DDL, arXiv 1708.02188: ResNet-50, 64 S822LC servers × 4 P100 (NVLink), "
                "InfiniBand EDR, 95% scaling efficiency on 256 GPUs with Caffe",
@@ -150,7 +152,7 @@ PUBLISHED_CASES: tuple[PublishedCase, ...] = (
         intra=PCIE3_X16,
         inter=ROCE_25G,
         batch_per_gpu=64,
-        reducer=Reducer("flat-ring", "ring"),
+        algorithm=ReduceAlgorithm("flat-ring", "ring", reducer="flat"),
         published_efficiency=0.90,
         source="Sergeev & Del Balso, Horovod, arXiv 1802.05799, and Horovod docs/benchmarks: 128 servers × 4 Pascal "
                "GPUs, RoCE 25 Gbit/s, 90% scaling efficiency for ResNet-101 and Inception V3",
@@ -166,7 +168,7 @@ PUBLISHED_CASES: tuple[PublishedCase, ...] = (
         intra=PCIE3_X16,
         inter=ROCE_25G,
         batch_per_gpu=64,
-        reducer=Reducer("flat-ring", "ring"),
+        algorithm=ReduceAlgorithm("flat-ring", "ring", reducer="flat"),
         published_efficiency=0.90,
         source="Sergeev & Del Balso, Horovod, arXiv 1802.05799, and Horovod docs/benchmarks (as above)",
         batch_source="Horovod docs/benchmarks: tf_cnn_benchmarks.py --batch_size 64 (per GPU)",
@@ -191,10 +193,10 @@ def inputs_table() -> str:
     for case in PUBLISHED_CASES:
         model = MODELS[case.model]
         lines.append(
-            f"| {case.key} | {model.name} ({model.params / 1e6:.2f} M, {model.forward_flops / 1e9:.2f} G) | {case.gpus} | "
-            f"{case.gpus_per_node} | {_si(case.accelerator.value, 'FLOP/s')} | {_si(case.intra.value, 'B/s')} | "
-            f"{_si(case.inter.value, 'B/s')} | {case.batch_per_gpu} | fp{8 * case.gradient_bytes} | "
-            f"{case.reducer.name} | {case.bucket / MB:g} MB |"
+            f"| {case.key} | {model.name} ({model.params / 1e6:.2f} M, {model.forward_flops / 1e9:.2f} G) | "
+            f"{case.gpus} | {case.gpus_per_node} | {_si(case.accelerator.value, 'FLOP/s')} | "
+            f"{_si(case.intra.value, 'B/s')} | {_si(case.inter.value, 'B/s')} | {case.batch_per_gpu} | "
+            f"fp{8 * case.gradient_bytes} | {case.algorithm.name} | {case.bucket / MB:g} MB |"
         )
     return "\n".join(lines)
 
@@ -208,9 +210,9 @@ def reproduction_table() -> str:
     for case in PUBLISHED_CASES:
         p = case.predict()
         lines.append(
-            f"| {case.key} | {case.system} | {case.gpus} | {p.step_time * 1e3:.1f} ms | {p.step.compute * 1e3:.1f} ms | "
-            f"{p.step.exposed * 1e3:.1f} ms | {p.efficiency:.1%} | {case.published_efficiency:.0%} | "
-            f"{(p.efficiency - case.published_efficiency) * 100:+.1f} pt |"
+            f"| {case.key} | {case.system} | {case.gpus} | {p.step_time * 1e3:.1f} ms | "
+            f"{p.step.compute * 1e3:.1f} ms | {p.step.exposed * 1e3:.1f} ms | {p.efficiency:.1%} | "
+            f"{case.published_efficiency:.0%} | {(p.efficiency - case.published_efficiency) * 100:+.1f} pt |"
         )
     return "\n".join(lines)
 

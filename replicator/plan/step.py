@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 __all__ = [
     "BACKWARD_PER_FORWARD",
     "Workload",
     "Accelerator",
     "Pipeline",
+    "NO_PIPELINE",
     "StepBreakdown",
-    "bubble_fraction",
+    "gpipe_bubble_fraction",
     "bucket_sizes",
     "overlap",
     "step_time",
@@ -99,6 +100,10 @@ class Pipeline:
             raise ValueError(f"stages and micro_batches must be >= 1, got K={self.stages}, M={self.micro_batches}")
 
 
+# Plain data parallelism: one stage, one micro-batch.
+NO_PIPELINE = Pipeline()
+
+
 @dataclass(frozen=True)
 class StepBreakdown:
     """Seconds per step. `communication` is the all-reduce busy time, `exposed` the part not hidden."""
@@ -119,15 +124,19 @@ class StepBreakdown:
         return self.forward + self.backward + self.bubble + self.p2p + self.exposed
 
 
-def bubble_fraction(stages: int, micro_batches: int) -> float:
-    """Idle share of a GPipe schedule: (K-1)/(M+K-1)."""
+def gpipe_bubble_fraction(stages: int, micro_batches: int) -> float:
+    """Idle share of a GPipe schedule of K stages and M micro-batches, in closed form: (K-1)/(M+K-1).
+
+    The formula; `pipeline.schedule` and `pipeline.timeline` measure the same share on a
+    placed schedule and on recorded events.
+    """
     if stages < 1 or micro_batches < 1:
         raise ValueError(f"stages and micro_batches must be >= 1, got K={stages}, M={micro_batches}")
     return (stages - 1) / (micro_batches + stages - 1)
 
 
 def bucket_sizes(total: float, bucket: float) -> list[float]:
-    """Split `total` bytes into buckets of `bucket` bytes in the order gradients become ready; the last holds the rest."""
+    """Split `total` bytes into buckets of `bucket` bytes in the order gradients are ready; the last holds the rest."""
     if total <= 0:
         return []
     if bucket <= 0:
@@ -171,7 +180,7 @@ def step_time(
     accelerator: Accelerator,
     all_reduce: Callable[[float], float] | None,
     bucket: float,
-    pipeline: Pipeline = Pipeline(),
+    pipeline: Pipeline = NO_PIPELINE,
     p2p: Callable[[float], float] | None = None,
 ) -> StepBreakdown:
     """Time of one synchronous step on one GPU of a data- (and optionally pipeline-) parallel job.

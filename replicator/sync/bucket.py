@@ -1,16 +1,41 @@
-"""A bucket: several parameters' gradients in one flat buffer, reduced as one message."""
+"""A bucket: several parameters' gradients in one flat buffer, reduced as one message; and the reducer contract."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from replicator.comm.agreement import PendingAgreement
-from replicator.sync.reducers import PendingReduction
 
-__all__ = ["Bucket", "assign_buckets"]
+__all__ = ["Bucket", "assign_buckets", "Allocator", "Reducer", "PendingReduction"]
+
+
+class PendingReduction(Protocol):
+    """A reduction in flight; `wait()` returns once the buffer holds the sum."""
+
+    def wait(self) -> object: ...
+
+
+class Reducer(Protocol):
+    """Sums `buffer` in place over `group`, asynchronously.
+
+    The synchronizer passes the `bucket` the buffer belongs to: its gradients end at
+    `bucket.numel`, after which come presence slots that must be summed exactly, and its
+    parameters give the gradients' shapes. The same bucket object comes back every round,
+    so a reducer with state (error feedback, PowerSGD's Q) keys it by the bucket. A lossless
+    reducer may also sum a loose tensor (no bucket). A reducer may also have `close()`, which
+    stops whatever it runs in the background, and `allocate(numel, dtype, device)`, which
+    provides bucket buffers it can reduce without a copy (see `assign_buckets`).
+    """
+
+    name: str
+
+    def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup,
+               bucket: Bucket | None = None) -> PendingReduction: ...
 
 
 @dataclass(eq=False)
@@ -66,7 +91,8 @@ class Bucket:
             self.flags[position] = 0
         else:
             if grad.is_sparse:
-                raise TypeError("sparse gradients are not supported by the gradient synchronizer; use dense embeddings")
+                raise TypeError(
+                    "sparse gradients are not supported by the gradient synchronizer; use dense embeddings")
             if grad.data_ptr() == view.data_ptr():
                 # .grad is still this bucket's view (zero_grad(set_to_none=False) kept it, or a
                 # second backward in the window added into the average). Give it its own storage

@@ -22,8 +22,7 @@ from torch.autograd import Variable
 from replicator.comm.agreement import Agreement, PendingAgreement, call_site, raise_with_stragglers
 from replicator.errors import ReplicatorUsageError
 from replicator.health import finite_sum
-from replicator.sync.bucket import Bucket, assign_buckets
-from replicator.sync.reducers import Reducer
+from replicator.sync.bucket import Bucket, Reducer, assign_buckets
 from replicator.sync.state import GradientState, UpdateCount
 
 __all__ = ["GradientSynchronizer"]

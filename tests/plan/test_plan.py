@@ -26,13 +26,21 @@ from replicator.plan.planner import (
     MB,
     REDUCERS,
     Cluster,
-    Reducer,
+    ReduceAlgorithm,
     best_bucket,
     gpu_counts,
     plan,
     predict,
 )
-from replicator.plan.step import Accelerator, Pipeline, Workload, bubble_fraction, bucket_sizes, overlap, step_time
+from replicator.plan.step import (
+    Accelerator,
+    Pipeline,
+    Workload,
+    bucket_sizes,
+    gpipe_bubble_fraction,
+    overlap,
+    step_time,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ALPHA, BETA, SIZE = 1e-5, 1e9, 1e6
@@ -137,7 +145,7 @@ def test_bucket_sizes_cover_the_gradient_exactly() -> None:
 
 
 def test_pipeline_bubble_is_k_minus_1_over_m_plus_k_minus_1() -> None:
-    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert gpipe_bubble_fraction(4, 8) == pytest.approx(3 / 11)
     work = Workload(params=1e6, flops_per_sample=1e9, batch_per_gpu=16)
     gpu = Accelerator(1e12)
     step = step_time(work, gpu, None, bucket=1e6, pipeline=Pipeline(stages=4, micro_batches=8))
@@ -198,7 +206,7 @@ def _cluster(intra_bw: float = 40e9, inter_bw: float = 12.5e9, intra_lat: float 
 
 @pytest.mark.parametrize("reducer", REDUCERS, ids=lambda r: r.name)
 @pytest.mark.parametrize("gpus", [2, 8, 64, 256])
-def test_more_bandwidth_or_less_latency_never_hurts(reducer: Reducer, gpus: int) -> None:
+def test_more_bandwidth_or_less_latency_never_hurts(reducer: ReduceAlgorithm, gpus: int) -> None:
     def time(cluster: Cluster, bucket: float | None = 16 * MB) -> float:
         if bucket is None:
             return best_bucket(WORK, GPU, cluster, gpus, reducer, tolerance=0.0).step_time
@@ -216,8 +224,8 @@ def test_hierarchical_beats_flat_when_the_network_is_the_bottleneck() -> None:
     slow_network = _cluster(intra_bw=150e9, inter_bw=1.25e9, inter_lat=50e-6, per_node=8)
     levels = slow_network.levels(256)
     assert hierarchical_all_reduce(levels, 100e6) < flat_ring_all_reduce(levels, 100e6)
-    flat = predict(WORK, GPU, slow_network, 256, Reducer("flat-ring", "ring"), 25 * MB)
-    hierarchical = predict(WORK, GPU, slow_network, 256, Reducer("hierarchical", "hierarchical"), 25 * MB)
+    flat = predict(WORK, GPU, slow_network, 256, ReduceAlgorithm("flat-ring", "ring"), 25 * MB)
+    hierarchical = predict(WORK, GPU, slow_network, 256, ReduceAlgorithm("hierarchical", "hierarchical"), 25 * MB)
     assert hierarchical.efficiency > flat.efficiency
 
 
@@ -231,14 +239,14 @@ def test_efficiency_is_one_on_one_gpu_and_never_above_one() -> None:
 
 
 def test_flat_ring_efficiency_falls_as_gpus_grow() -> None:
-    ring = Reducer("flat-ring", "ring")
+    ring = ReduceAlgorithm("flat-ring", "ring")
     efficiencies = [predict(WORK, GPU, _cluster(), n, ring, 25 * MB).efficiency for n in (2, 4, 8, 32, 128, 512)]
     assert all(later <= earlier for earlier, later in zip(efficiencies, efficiencies[1:])), efficiencies
 
 
 def test_fp16_gradients_halve_the_bytes_on_the_wire() -> None:
-    fp32 = predict(WORK, GPU, _cluster(), 64, Reducer("flat-ring", "ring"), 1e12)
-    fp16 = predict(WORK, GPU, _cluster(), 64, Reducer("flat-ring+fp16", "ring", gradient_bytes=2), 1e12)
+    fp32 = predict(WORK, GPU, _cluster(), 64, ReduceAlgorithm("flat-ring", "ring"), 1e12)
+    fp16 = predict(WORK, GPU, _cluster(), 64, ReduceAlgorithm("flat-ring+fp16", "ring", gradient_bytes=2), 1e12)
     ring = _cluster().levels(64)
     assert fp32.step.communication == pytest.approx(flat_ring_all_reduce(ring, WORK.params * 4))
     assert fp16.step.communication == pytest.approx(flat_ring_all_reduce(ring, WORK.params * 2))
@@ -255,7 +263,7 @@ def test_cluster_places_gpus_innermost_first() -> None:
 
 
 def test_pipelines_cut_gradient_traffic_per_gpu_and_add_a_bubble() -> None:
-    ring = Reducer("flat-ring", "ring")
+    ring = ReduceAlgorithm("flat-ring", "ring")
     plain = predict(WORK, GPU, _cluster(), 64, ring, 1e12)
     piped = predict(WORK, GPU, _cluster(), 64, ring, 1e12, Pipeline(stages=4, micro_batches=16))
     assert piped.step.communication < plain.step.communication

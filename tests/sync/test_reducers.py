@@ -1,4 +1,4 @@
-"""Reducers: hierarchical sums equal a flat all-reduce; compressed ones stay close, keep exact presence and pay their debts."""
+"""Reducers: hierarchical sums equal a flat all-reduce; compressed ones stay close, keep exact presence, pay debts."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import torch.nn.functional as F
 
 import replicator as rp
 from replicator.sync.bucket import Bucket, assign_buckets
-from replicator.sync.compression import CastReducer
-from replicator.sync import shared_memory
-from replicator.sync.hierarchical import HierarchicalSum, level_groups, plan_levels, replicas_per_node
 from replicator.sync.reducers import FlatReducer, make_reducer, parse_reducer
-from replicator.sync.shared_memory import SharedMemorySum
-from replicator.sync.worker import SummationReducer
+from replicator.sync.reducers import shm as shared_memory
+from replicator.sync.reducers._worker import SummationReducer
+from replicator.sync.reducers.compression import CastReducer
+from replicator.sync.reducers.hierarchical import HierarchicalSum, level_groups, plan_levels, replicas_per_node
+from replicator.sync.reducers.shm import SharedMemorySum
 from replicator.testing import run_replicas
 from replicator.topology import build_process_groups, discover
 
@@ -127,7 +127,8 @@ def _lossless(groups: Any, specs: list[Any]) -> dict[str, Any]:
     for spec in specs:
         reducer = make_reducer(spec, groups) if isinstance(spec, str) else spec[1]()
         spec = spec if isinstance(spec, str) else spec[0]
-        inputs = [(n, integers, _data(rank * 7919 + n * 2 + integers, n, integers)) for n in SIZES for integers in (True, False)]
+        inputs = [(n, integers, _data(rank * 7919 + n * 2 + integers, n, integers))
+                  for n in SIZES for integers in (True, False)]
         buffers = [x.clone() for _, _, x in inputs]
         pending = [reducer.reduce(b, groups.replica) for b in buffers]
         expected = [x.clone() for _, _, x in inputs]
@@ -261,8 +262,8 @@ def _two_nodes_of_two() -> dict[str, Any]:
     # 40-byte chunks: every size above crosses the levels in several overlapping chunks.
     chunked = ("chunked", lambda: SummationReducer(HierarchicalSum(groups, (2, 2), 60.0, chunk_bytes=40)))
     shm_chunked = ("shm chunked", lambda: SummationReducer(SharedMemorySum(groups, 60.0, per_node=2, chunk_bytes=40)))
-    out: dict[str, Any] = {"lossless": _lossless(groups, ["hierarchical", "multilevel:2x1x2", "hierarchical:1x2x2", "auto",
-                                                          chunked, shm_chunked])}
+    out: dict[str, Any] = {"lossless": _lossless(groups, ["hierarchical", "multilevel:2x1x2", "hierarchical:1x2x2",
+                                                          "auto", chunked, shm_chunked])}
     errors = {}
     for spec in ["hierarchical:4x1", "hierarchical:2x3", "shm"]:
         try:
@@ -273,13 +274,15 @@ def _two_nodes_of_two() -> dict[str, Any]:
     # Two stages: replica groups {0, 2} and {1, 3}, one replica of each per node.
     out["stages"] = _lossless(build_process_groups(discover(), stages=2), ["hierarchical"])
     out["lossy"] = _lossy(groups)
-    out["train"] = {spec: _train(spec) for spec in ["flat", "hierarchical", "powersgd:1", "powersgd:1+noef", "fp16+ef", "bf16"]}
+    out["train"] = {spec: _train(spec)
+                    for spec in ["flat", "hierarchical", "powersgd:1", "powersgd:1+noef", "fp16+ef", "bf16"]}
     return out
 
 
 def _four_nodes_of_one() -> dict[str, Any]:
     groups = build_process_groups(discover())
-    out: dict[str, Any] = {"lossless": _lossless(groups, ["hierarchical", "hierarchical:1x2x2", "hierarchical:2x2", "auto"])}
+    out: dict[str, Any] = {
+        "lossless": _lossless(groups, ["hierarchical", "hierarchical:1x2x2", "hierarchical:2x2", "auto"])}
     try:
         make_reducer("hierarchical:2x4", groups)  # with one replica per node any product of 4 fits
         out["error"] = None
@@ -342,13 +345,13 @@ def test_hierarchical_equals_flat_on_two_nodes_of_two(two_by_two: list[dict[str,
     _check_lossless(two_by_two)
     names = {spec: r["name"] for spec, r in two_by_two[0]["lossless"].items()}
     assert names == {"hierarchical": "hierarchical:2x2", "multilevel:2x1x2": "hierarchical:2x1x2",
-                     "hierarchical:1x2x2": "hierarchical:1x2x2", "auto": "hierarchical:2x2", "chunked": "hierarchical:2x2",
-                     "shm chunked": "hierarchical:2x2"}
+                     "hierarchical:1x2x2": "hierarchical:1x2x2", "auto": "hierarchical:2x2",
+                     "chunked": "hierarchical:2x2", "shm chunked": "hierarchical:2x2"}
     # On host memory a hierarchy whose inner level is the node sums inside it through shared memory.
     summations = {spec: r["summation"] for spec, r in two_by_two[0]["lossless"].items()}
-    assert summations == {"hierarchical": "SharedMemorySum", "auto": "SharedMemorySum", "multilevel:2x1x2": "HierarchicalSum",
-                          "hierarchical:1x2x2": "HierarchicalSum", "chunked": "HierarchicalSum",
-                          "shm chunked": "SharedMemorySum"}
+    assert summations == {"hierarchical": "SharedMemorySum", "auto": "SharedMemorySum",
+                          "multilevel:2x1x2": "HierarchicalSum", "hierarchical:1x2x2": "HierarchicalSum",
+                          "chunked": "HierarchicalSum", "shm chunked": "SharedMemorySum"}
 
 
 def _own_shared_memory_each() -> str | None:
@@ -377,10 +380,13 @@ def test_shared_memory_equals_flat_on_one_node(one_by_three: list[dict[str, Any]
     assert names == {"shm": "shm", "auto": "shm", "flat": "flat"}  # one node on CPU: auto picks shared memory
     flat_params, shm_params = one_by_three[0]["train"]["flat"][1], one_by_three[0]["train"]["shm"][1]
     for a, b in zip(shm_params, flat_params):
-        assert torch.allclose(a, b, rtol=0, atol=1e-5), "training through shared memory must match flat to fp32 round-off"
+        assert torch.allclose(a, b, rtol=0, atol=1e-5), \
+            "training through shared memory must match flat to fp32 round-off"
     for result in one_by_three[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(result["train"]["shm"][1], shm_params)), "replicas must agree bit for bit"
-    assert all(not result["left in /dev/shm"] for result in one_by_three), "shared segments must be unlinked once mapped"
+        assert all(torch.equal(a, b) for a, b in zip(result["train"]["shm"][1], shm_params)), \
+            "replicas must agree bit for bit"
+    assert all(not result["left in /dev/shm"] for result in one_by_three), \
+        "shared segments must be unlinked once mapped"
     for result in one_by_three:
         got, expected = result["in place"]
         assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
@@ -434,18 +440,22 @@ def test_hierarchical_equals_flat_on_four_nodes_of_one(four_by_one: list[dict[st
     assert four_by_one[0]["lossless"]["auto"]["name"] == "flat"  # one replica per node: nothing to gain
 
 
-def test_levels_that_do_not_fit_raise_on_every_rank(two_by_two: list[dict[str, Any]], four_by_one: list[dict[str, Any]]) -> None:
+def test_levels_that_do_not_fit_raise_on_every_rank(two_by_two: list[dict[str, Any]],
+                                                    four_by_one: list[dict[str, Any]]) -> None:
     for result in two_by_two:
         assert "node boundary" in result["errors"]["hierarchical:4x1"]
         assert "multiply to 6 but this job has 4 replicas" in result["errors"]["hierarchical:2x3"]
         assert "reducer 'shm' cannot be used here: the replicas span 2 nodes" in result["errors"]["shm"]
     for result in four_by_one:
-        assert "multiply to 8 but this job has 4 replicas" in result["error"] and "'hierarchical:1x4'" in result["error"]
+        assert "multiply to 8 but this job has 4 replicas" in result["error"]
+        assert "'hierarchical:1x4'" in result["error"]
 
 
-@pytest.mark.parametrize("spec, tolerance", [("fp16", 2e-3), ("bf16", 2e-2), ("fp16+ef", 2e-3), ("bf16+ef@hierarchical", 2e-2),
-                                             ("powersgd:2", None), ("powersgd:1@hierarchical", None)])
-def test_compressed_error_is_bounded_and_presence_exact(two_by_two: list[dict[str, Any]], spec: str, tolerance: float | None) -> None:
+@pytest.mark.parametrize("spec, tolerance", [("fp16", 2e-3), ("bf16", 2e-2), ("fp16+ef", 2e-3),
+                                             ("bf16+ef@hierarchical", 2e-2), ("powersgd:2", None),
+                                             ("powersgd:1@hierarchical", None)])
+def test_compressed_error_is_bounded_and_presence_exact(two_by_two: list[dict[str, Any]], spec: str,
+                                                        tolerance: float | None) -> None:
     first = two_by_two[0]["lossy"][spec][1]
     for rank, result in enumerate(two_by_two):
         numel, got, expected, name = result["lossy"][spec]
@@ -474,7 +484,8 @@ def test_powersgd_books_balance_and_compress(two_by_two: list[dict[str, Any]]) -
     for result in two_by_two:
         delivered, owed, produced, wire, plain = result["lossy"]["powersgd books"]
         # Round 5 had the matrix absent everywhere: its sum was dropped, the debt kept.
-        assert torch.allclose(delivered[:192] + owed[:192], produced[:192], rtol=0, atol=1e-4 * produced.abs().max().item())
+        assert torch.allclose(delivered[:192] + owed[:192], produced[:192], rtol=0,
+                              atol=1e-4 * produced.abs().max().item())
         assert owed[192:].abs().max().item() == 0.0  # exact parts owe nothing
         assert wire == (16 + 12) * 1 + 12 + 4 + 7 + 4 and plain == 16 * 12 + 12 + 4 + 7 + 4
         got, expected = result["lossy"]["powersgd rank one"]

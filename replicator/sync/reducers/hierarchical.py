@@ -3,27 +3,21 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from replicator.sync.ring import all_gather_, reduce_scatter_
-from replicator.sync.summation import replica_partition
+from replicator.sync.reducers._ring import all_gather_, reduce_scatter_
 from replicator.topology import ProcessGroups
 
-__all__ = ["HierarchicalSum", "DEFAULT_CHUNK_BYTES", "replicas_per_node", "plan_levels", "level_groups", "processes_per_node"]
+__all__ = ["HierarchicalSum", "DEFAULT_CHUNK_BYTES", "replicas_per_node", "plan_levels", "level_groups"]
 
 
 # Small enough that the first chunk's trip across nodes starts early, large enough that
 # per-message latency stays a small share (1, 2 and 8 MiB measured alike on the 2 x 2 cluster).
 DEFAULT_CHUNK_BYTES = 2 << 20
-
-
-def processes_per_node(groups: ProcessGroups) -> int:
-    """Processes per node, read off the intra-node group (the whole world on one node)."""
-    return dist.get_world_size(groups.intra_node)
 
 
 def replicas_per_node(members: Sequence[int], local_world_size: int) -> int:
@@ -37,7 +31,8 @@ def replicas_per_node(members: Sequence[int], local_world_size: int) -> int:
     while per_node < len(nodes) and nodes[per_node] == nodes[0]:
         per_node += 1
     blocks = [nodes[i : i + per_node] for i in range(0, len(nodes), per_node)]
-    even = all(len(block) == per_node and len(set(block)) == 1 for block in blocks) and len({b[0] for b in blocks}) == len(blocks)
+    even = (all(len(block) == per_node and len(set(block)) == 1 for block in blocks)
+            and len({b[0] for b in blocks}) == len(blocks))
     if not even:
         raise ValueError(
             f"a hierarchical reducer needs every node to hold the same number of replicas of a stage; the replicas "
@@ -47,7 +42,8 @@ def replicas_per_node(members: Sequence[int], local_world_size: int) -> int:
     return per_node
 
 
-def plan_levels(partition: Sequence[Sequence[int]], local_world_size: int, levels: Sequence[int] | None, spec: str) -> tuple[int, ...]:
+def plan_levels(partition: Sequence[Sequence[int]], local_world_size: int, levels: Sequence[int] | None,
+                spec: str) -> tuple[int, ...]:
     """The level sizes, innermost first, for every stage's replica group in `partition`.
 
     Without `levels`: (replicas per node, nodes). With them: their product must be the
@@ -58,7 +54,8 @@ def plan_levels(partition: Sequence[Sequence[int]], local_world_size: int, level
     replicas = len(partition[0])
     per_node = {replicas_per_node(members, local_world_size) for members in partition}
     if len(per_node) != 1:
-        raise ValueError(f"reducer {spec!r}: stages hold different numbers of replicas per node ({sorted(per_node)}); use 'flat'")
+        raise ValueError(
+            f"reducer {spec!r}: stages hold different numbers of replicas per node ({sorted(per_node)}); use 'flat'")
     (inner,) = per_node
     if levels is None:
         return (inner, replicas // inner)
@@ -101,8 +98,9 @@ class HierarchicalSum:
     each further level reduce-scatters that shard again; the top level all-reduces the
     remaining shard (with two levels: each local rank sends only its 1/L across nodes,
     all local ranks in parallel); then the shards are all-gathered back down, chunk by
-    chunk so the levels overlap (`chunk_bytes`). Every rank ends with identical bits (each element is summed once, by its owner), equal to a
-    flat all-reduce up to fp32 round-off (the order of the additions differs).
+    chunk so the levels overlap (`chunk_bytes`). Every rank ends with identical bits (each
+    element is summed once, by its owner), equal to a flat all-reduce up to fp32 round-off
+    (the order of the additions differs).
     """
 
     def __init__(self, groups: ProcessGroups, levels: Sequence[int], timeout_s: float,
@@ -111,10 +109,10 @@ class HierarchicalSum:
         self.chunk_bytes = chunk_bytes
         self.name = "hierarchical:" + "x".join(map(str, self.levels))
         self.size = math.prod(self.levels)
-        me = dist.get_rank()
+        me = groups.mesh.rank
         timeout = timedelta(seconds=timeout_s)
         self._mine: list[tuple[dist.ProcessGroup, list[int], int]] = []
-        partition = replica_partition(groups)
+        partition = groups.mesh.replica_partition
         for level, size in enumerate(self.levels):
             if size == 1:
                 continue
@@ -150,14 +148,15 @@ class HierarchicalSum:
             handle = dist.all_reduce(views[-1], op=dist.ReduceOp.SUM, group=top, async_op=True)
             if crossing is not None:
                 _gather(*crossing, scatter)
-            crossing = (handle, views)  # type: ignore[assignment]
+            crossing = (handle, views)
         if crossing is not None:
             _gather(*crossing, scatter)
         if work is not flat:
             flat.copy_(work[:length])
 
 
-def _gather(handle: dist.Work, views: list[torch.Tensor], scatter: list[tuple[dist.ProcessGroup, list[int], int]]) -> None:
+def _gather(handle: dist.Work, views: list[torch.Tensor],
+            scatter: list[tuple[dist.ProcessGroup, list[int], int]]) -> None:
     """Wait for a chunk's top-level sum, then all-gather it back down the levels."""
     handle.wait()
     for (group, ranks, index), whole in zip(reversed(scatter), reversed(views[:-1])):

@@ -1,4 +1,4 @@
-"""Lossless, blocking sums over a reducer's private process groups, run on its worker thread."""
+"""Lossless, blocking sums over a reducer's private process groups, run on its worker thread (internal)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from replicator.topology import ProcessGroups
-
-__all__ = ["Summation", "FlatSum", "replica_partition", "create_groups", "check_group"]
+__all__ = ["Summation", "create_groups", "check_group"]
 
 
 class Summation(Protocol):
@@ -25,16 +23,6 @@ class Summation(Protocol):
     size: int  # how many replicas contribute to the sum
 
     def sum_(self, tensor: torch.Tensor) -> None: ...
-
-
-def replica_partition(groups: ProcessGroups) -> list[list[int]]:
-    """The world ranks of every stage's replica group, stage by stage (same list on every rank).
-
-    Replica-major layout: rank = replica * stages + stage.
-    """
-    stages = len(groups.stage_ranks)
-    replicas = len(groups.replica_ranks)
-    return [[r * stages + s for r in range(replicas)] for s in range(stages)]
 
 
 def create_groups(partition: list[list[int]], timeout_s: float) -> dist.ProcessGroup | None:
@@ -54,19 +42,6 @@ def create_groups(partition: list[list[int]], timeout_s: float) -> dist.ProcessG
     return mine
 
 
-class FlatSum:
-    """One all-reduce over a private copy of the replica group."""
-
-    name = "flat"
-
-    def __init__(self, groups: ProcessGroups, timeout_s: float) -> None:
-        self.size = len(groups.replica_ranks)
-        self.group = create_groups(replica_partition(groups), timeout_s)
-
-    def sum_(self, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
-
-
 def check_group(group: dist.ProcessGroup, size: int, name: str, checked: set[int]) -> None:
     """A reducer sums over its own copies of the replica groups; refuse a group of another size."""
     if id(group) in checked:
@@ -74,7 +49,7 @@ def check_group(group: dist.ProcessGroup, size: int, name: str, checked: set[int
     actual = dist.get_world_size(group)
     if actual != size:
         raise ValueError(
-            f"reducer {name!r} was built for replica groups of {size} processes but was asked to reduce over a group "
-            f"of {actual}; build it with make_reducer(spec, groups) from the same job's process groups"
+            f"reducer {name!r} was built for replica groups of {size} processes but was asked to reduce over a "
+            f"group of {actual}; build it with make_reducer(spec, groups) from the same job's process groups"
         )
     checked.add(id(group))

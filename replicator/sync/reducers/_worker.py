@@ -1,18 +1,16 @@
-"""A background thread that runs a reducer's multi-step reductions one at a time, in submission order."""
+"""A background thread that runs a reducer's multi-step reductions one at a time, in submission order (internal)."""
 
 from __future__ import annotations
 
 import queue
 import threading
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
-if TYPE_CHECKING:
-    import torch.distributed as dist
-
-    from replicator.sync.bucket import Bucket
-    from replicator.sync.summation import Summation
+from replicator.sync.bucket import Bucket
+from replicator.sync.reducers._summation import Summation, check_group
 
 __all__ = ["ReductionWorker", "PendingWork", "SummationReducer", "BucketReducer"]
 
@@ -43,9 +41,6 @@ class PendingWork:
         self._done.wait()
         if self._error is not None:
             raise self._error
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
 
 
 class ReductionWorker:
@@ -112,15 +107,13 @@ def _on_stream_after_caller(job: Callable[[], None], device: torch.device | None
 class SummationReducer:
     """Sums each bucket with a blocking, lossless summation on a background thread; returns at once."""
 
-    def __init__(self, summation: "Summation") -> None:
+    def __init__(self, summation: Summation) -> None:
         self.summation = summation
         self.name = summation.name
         self._worker = ReductionWorker(self.name)
         self._checked: set[int] = set()
 
-    def reduce(self, buffer: torch.Tensor, group: "dist.ProcessGroup", bucket: "Bucket | None" = None) -> PendingWork:
-        from replicator.sync.summation import check_group
-
+    def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup, bucket: Bucket | None = None) -> PendingWork:
         check_group(group, self.summation.size, self.name, self._checked)
         label = f"{self.name} reduction of bucket {bucket.index if bucket is not None else '?'}"
         arrival = bucket.arrival if bucket is not None else None
@@ -157,20 +150,18 @@ class BucketReducer:
         self._worker = ReductionWorker(name)
         self._checked: set[int] = set()
 
-    def reduce(self, buffer: torch.Tensor, group: "dist.ProcessGroup", bucket: "Bucket | None" = None) -> PendingWork:
+    def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup, bucket: Bucket | None = None) -> PendingWork:
         if bucket is None:
             raise TypeError(
                 f"the {self.name} reducer needs the bucket (where its gradients end and its presence slots begin, "
                 "and a key for its per-bucket state): call reduce(buffer, group, bucket)"
             )
-        from replicator.sync.summation import check_group
-
         check_group(group, self._replicas, self.name, self._checked)
-        return self._worker.submit(lambda: self._reduce(buffer, bucket), f"{self.name} reduction of bucket {bucket.index}",
-                                   buffer.device)
+        label = f"{self.name} reduction of bucket {bucket.index}"
+        return self._worker.submit(lambda: self._reduce(buffer, bucket), label, buffer.device)
 
     def close(self) -> None:
         self._worker.close()
 
-    def _reduce(self, buffer: torch.Tensor, bucket: "Bucket") -> None:
+    def _reduce(self, buffer: torch.Tensor, bucket: Bucket) -> None:
         raise NotImplementedError

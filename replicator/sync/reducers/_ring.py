@@ -1,4 +1,4 @@
-"""Reduce-scatter and all-gather over one group: native where fast, a point-to-point ring on Gloo."""
+"""Reduce-scatter and all-gather over one group: native where fast, a point-to-point ring on Gloo (internal)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,18 @@ def _uses_ring(group: dist.ProcessGroup) -> bool:
 
 def _chunks(tensor: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
     if tensor.dim() != 1 or tensor.numel() % size:
-        raise ValueError(f"ring collectives need a flat tensor whose length divides by {size}, got {tuple(tensor.shape)}")
+        raise ValueError(
+            f"ring collectives need a flat tensor whose length divides by {size}, got {tuple(tensor.shape)}")
     return tensor.chunk(size)
+
+
+def _pass_right(outgoing: torch.Tensor, right: int, incoming: torch.Tensor, left: int,
+                group: dist.ProcessGroup) -> None:
+    """One ring step: send `outgoing` to the right neighbour while `incoming` arrives from the left."""
+    requests = [dist.isend(outgoing, dst=right, group=group), dist.irecv(incoming, src=left, group=group)]
+    for request in requests:
+        assert request is not None  # None only on a rank outside the group, which never gets here
+        request.wait()
 
 
 def reduce_scatter_(tensor: torch.Tensor, ranks: list[int], index: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -45,10 +55,7 @@ def reduce_scatter_(tensor: torch.Tensor, ranks: list[int], index: int, group: d
     # Step t passes on the partial sum of chunk index-t-1 and folds the left neighbour's
     # partial sum into chunk index-t-2; after size-1 steps chunk `index` has every term.
     for step in range(size - 1):
-        outgoing = chunks[(index - step - 1) % size]
-        requests = [dist.isend(outgoing, dst=right, group=group), dist.irecv(incoming, src=left, group=group)]
-        for request in requests:
-            request.wait()
+        _pass_right(chunks[(index - step - 1) % size], right, incoming, left, group)
         chunks[(index - step - 2) % size].add_(incoming)
     return chunks[index]
 
@@ -64,9 +71,4 @@ def all_gather_(tensor: torch.Tensor, ranks: list[int], index: int, group: dist.
         return
     right, left = ranks[(index + 1) % size], ranks[(index - 1) % size]
     for step in range(size - 1):
-        requests = [
-            dist.isend(chunks[(index - step) % size], dst=right, group=group),
-            dist.irecv(chunks[(index - step - 1) % size], src=left, group=group),
-        ]
-        for request in requests:
-            request.wait()
+        _pass_right(chunks[(index - step) % size], right, chunks[(index - step - 1) % size], left, group)

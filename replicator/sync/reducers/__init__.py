@@ -1,79 +1,41 @@
-"""Reducers: how one flat gradient bucket is summed across replicas. Pluggable, chosen by name."""
+"""The reducer registry: a reducer's name parsed, and the reducer built from it over the job's groups.
+
+The shape of torch's `ddp_comm_hooks`: this registry on top, one module per reducer below it
+(flat, shm, hierarchical, compression, powersgd) over shared internal machinery (`_summation`,
+`_ring`, `_worker`), and the contract (`Reducer`, `PendingReduction`) underneath, in
+`replicator.sync.bucket`. Nothing below imports this module.
+"""
 
 from __future__ import annotations
 
 import inspect
-import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 
-from replicator.sync.compression import CastReducer
-from replicator.sync.hierarchical import HierarchicalSum, plan_levels, processes_per_node, replicas_per_node
-from replicator.sync.powersgd import PowerSGDReducer
-from replicator.sync.shared_memory import SharedMemorySum, host_memory_usable, shared_memory_usable
-from replicator.sync.summation import FlatSum, Summation, replica_partition
-from replicator.sync.worker import SummationReducer
-from replicator.topology import DEFAULT_TIMEOUT_S, ProcessGroups
+from replicator import _env
+from replicator.sync.bucket import Bucket, PendingReduction, Reducer
+from replicator.sync.reducers._summation import Summation
+from replicator.sync.reducers._worker import SummationReducer
+from replicator.sync.reducers.compression import CastReducer
+from replicator.sync.reducers.flat import FlatReducer, FlatSum
+from replicator.sync.reducers.hierarchical import HierarchicalSum, plan_levels, replicas_per_node
+from replicator.sync.reducers.powersgd import PowerSGDReducer
+from replicator.sync.reducers.shm import SharedMemorySum, host_memory_usable, shared_memory_usable
+from replicator.topology import ProcessGroups
 
-if TYPE_CHECKING:
-    from replicator.sync.bucket import Bucket
-
-__all__ = ["Reducer", "PendingReduction", "FlatReducer", "make_reducer", "parse_reducer", "ReducerSpec", "REDUCER_NAMES"]
+__all__ = ["Reducer", "PendingReduction", "FlatReducer", "make_reducer", "parse_reducer", "ReducerSpec",
+           "REDUCER_NAMES"]
 
 REDUCER_NAMES = (
     "'flat', 'shm' (through shared memory, replicas on one node, CPU), 'auto' (on CPU: shm on one node, "
     "hierarchical across nodes; on GPUs: flat), 'hierarchical', 'hierarchical:XxYxZ' (alias "
     "'multilevel:XxYxZ'; level sizes innermost first, e.g. 4x2x2 = 4 per node x 2 nodes per rack x 2 racks), "
-    "'fp16', 'bf16' (add '+ef' for error feedback), 'powersgd:R' (rank R; '+noef' turns its error feedback off); "
-    "a compressed one may name its topology after '@', e.g. 'fp16+ef@hierarchical' or 'powersgd:4@auto'"
+    "'fp16', 'bf16' (add '+ef' for error feedback), 'powersgd:R' (rank R; '+noef' turns its error feedback "
+    "off); a compressed one may name its topology after '@', e.g. 'fp16+ef@hierarchical' or 'powersgd:4@auto'"
 )
-
-
-class PendingReduction(Protocol):
-    """A reduction in flight; `wait()` returns once the buffer holds the sum."""
-
-    def wait(self) -> object: ...
-
-
-class Reducer(Protocol):
-    """Sums `buffer` in place over `group`, asynchronously.
-
-    The synchronizer passes the `bucket` the buffer belongs to: its gradients end at
-    `bucket.numel`, after which come presence slots that must be summed exactly, and its
-    parameters give the gradients' shapes. The same bucket object comes back every round,
-    so a reducer with state (error feedback, PowerSGD's Q) keys it by the bucket. A reducer
-    may also have `close()`, which stops whatever it runs in the background.
-    """
-
-    name: str
-
-    def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup, bucket: Bucket | None = None) -> PendingReduction: ...
-
-
-class FlatReducer:
-    """One all-reduce over the whole replica group (ring or tree, as the backend picks)."""
-
-    name = "flat"
-
-    def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup, bucket: Bucket | None = None) -> PendingReduction:
-        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        assert work is not None
-        return work
-
-
-class _WithoutBucket:
-    """Adapts a user's reducer written against the two-argument `reduce(buffer, group)`."""
-
-    def __init__(self, reducer: object) -> None:
-        self.reducer = reducer
-        self.name = getattr(reducer, "name", type(reducer).__name__)
-
-    def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup, bucket: Bucket | None = None) -> PendingReduction:
-        return self.reducer.reduce(buffer, group)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -94,13 +56,18 @@ def parse_reducer(spec: str) -> ReducerSpec:
     """Parse a reducer name (see REDUCER_NAMES); ValueError for anything else."""
 
     def unknown(why: str = "") -> ValueError:
-        return ValueError(f"unknown reducer {spec!r}{why}; available: {REDUCER_NAMES} (or pass an object with a reduce() method)")
+        return ValueError(f"unknown reducer {spec!r}{why}; available: {REDUCER_NAMES} "
+                          "(or pass an object with a reduce() method)")
 
     text = spec.strip().lower()
-    head, at, topology_text = text.partition("@")
+    compressor_text, at, topology_text = text.partition("@")
+    head: str | None = compressor_text
     levels: tuple[int, ...] | None = None
-    if not at:
-        head, topology_text = (None, head) if not head.startswith(("fp16", "bf16", "powersgd")) else (head, "flat")
+    if not at:  # one word: a compressor over the flat topology, or a topology alone
+        if compressor_text.startswith(("fp16", "bf16", "powersgd")):
+            topology_text = "flat"
+        else:
+            head, topology_text = None, compressor_text
     if topology_text in ("flat", "shm", "auto", "hierarchical"):
         topology = topology_text
     elif (match := _LEVELS.fullmatch(topology_text)) is not None:
@@ -130,7 +97,7 @@ def parse_reducer(spec: str) -> ReducerSpec:
     return ReducerSpec(topology, levels, compressor, rank, error_feedback)
 
 
-def make_reducer(spec: "str | Reducer", groups: ProcessGroups | None = None, *, timeout_s: float | None = None,
+def make_reducer(spec: str | Reducer, groups: ProcessGroups | None = None, *, timeout_s: float | None = None,
                  device: torch.device | None = None) -> Reducer:
     """A reducer from its name (see REDUCER_NAMES), or the reducer object itself.
 
@@ -138,21 +105,22 @@ def make_reducer(spec: "str | Reducer", groups: ProcessGroups | None = None, *, 
     their own groups, which they do here, collectively: every rank must call make_reducer
     with the same spec at the same point. With one replica nothing travels, so every name
     gives the flat reducer (after its name is checked). `timeout_s` bounds the reducer's
-    collectives (default REPLICATOR_TIMEOUT, else 300 s). `device` is where the gradients
+    collectives (None: REPLICATOR_TIMEOUT, else 300 s). `device` is where the gradients
     live (default CPU); 'auto' sums through shared memory only for host gradients.
     """
     if not isinstance(spec, str):
         if not callable(getattr(spec, "reduce", None)):
-            raise TypeError(f"a reducer is a name or an object with a reduce(buffer, group[, bucket]) method, got {spec!r}")
-        return spec if _takes_bucket(spec) else _WithoutBucket(spec)  # type: ignore[return-value]
+            raise TypeError(
+                f"a reducer is a name or an object with a reduce(buffer, group[, bucket]) method, got {spec!r}")
+        return spec if _takes_bucket(spec) else _WithoutBucket(spec)
     parsed = parse_reducer(spec)
     if groups is None:
         if dist.is_initialized() and (parsed.topology != "flat" or parsed.compressor is not None):
             raise ValueError(f"reducer {spec!r} needs the job's process groups: make_reducer({spec!r}, groups)")
         return FlatReducer()
-    if groups.replica is None or len(groups.replica_ranks) == 1:
+    if groups.replica is None or groups.mesh.num_replicas == 1:
         return FlatReducer()
-    timeout_s = float(os.environ.get("REPLICATOR_TIMEOUT", DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
+    timeout_s = _env.timeout_s() if timeout_s is None else timeout_s
     return _build(spec, parsed, groups, timeout_s, torch.device("cpu") if device is None else torch.device(device))
 
 
@@ -173,20 +141,22 @@ def _build(spec: str, parsed: ReducerSpec, groups: ProcessGroups, timeout_s: flo
         return SummationReducer(SharedMemorySum(groups, timeout_s))
     levels: tuple[int, ...] | None = None
     if parsed.topology != "flat":
-        partition = replica_partition(groups)
+        partition, local_world_size = groups.mesh.replica_partition, groups.mesh.local_world_size
         if parsed.topology == "auto":
             try:
-                inner, outer = plan_levels(partition, processes_per_node(groups), None, spec)
+                inner, outer = plan_levels(partition, local_world_size, None, spec)
             except ValueError:  # replicas spread unevenly over nodes: flat is the safe choice
                 inner, outer = 1, 1
-            # Hierarchy pays only when a node holds several replicas and there are several nodes,
-            # and only over Gloo: NCCL already builds its own rings and trees over NVLink and the network.
+            # Hierarchy pays only when a node holds several replicas and there are several nodes, and
+            # only over Gloo: NCCL already builds its own rings and trees over NVLink and the network.
             levels = (inner, outer) if inner > 1 and outer > 1 and device.type == "cpu" else None
         else:
-            levels = plan_levels(partition, processes_per_node(groups), parsed.levels, spec)
+            levels = plan_levels(partition, local_world_size, parsed.levels, spec)
     if parsed.compressor is None:
-        return FlatReducer() if levels is None else SummationReducer(_hierarchy(groups, levels, timeout_s, host_memory))
-    summation: Summation = FlatSum(groups, timeout_s) if levels is None else _hierarchy(groups, levels, timeout_s, host_memory)
+        if levels is None:
+            return FlatReducer()
+        return SummationReducer(_hierarchy(groups, levels, timeout_s, host_memory))
+    summation = FlatSum(groups, timeout_s) if levels is None else _hierarchy(groups, levels, timeout_s, host_memory)
     if parsed.compressor == "powersgd":
         return PowerSGDReducer(summation, parsed.rank, error_feedback=parsed.error_feedback)
     return CastReducer(summation, parsed.compressor, error_feedback=parsed.error_feedback)
@@ -196,7 +166,7 @@ def _hierarchy(groups: ProcessGroups, levels: tuple[int, ...], timeout_s: float,
     """A hierarchical sum; when it has two levels, the inner one exactly the node's replicas and
     the outer one several nodes, and gradients are in host memory, the node's level goes
     through shared memory instead of socket rings."""
-    per_node = replicas_per_node(replica_partition(groups)[0], processes_per_node(groups))
+    per_node = replicas_per_node(groups.mesh.replica_partition[0], groups.mesh.local_world_size)
     if host_memory and len(levels) == 2 and levels[0] == per_node > 1 and levels[1] > 1:
         return SharedMemorySum(groups, timeout_s, per_node=per_node)
     return HierarchicalSum(groups, levels, timeout_s)
@@ -209,6 +179,18 @@ def _every_process_shares_host_memory(groups: ProcessGroups, device: torch.devic
     usable = torch.tensor([int(host_memory_usable(device) is None)])
     dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=groups.control)
     return bool(usable.item())
+
+
+class _WithoutBucket:
+    """Adapts a user's reducer written against the two-argument `reduce(buffer, group)`."""
+
+    def __init__(self, reducer: object) -> None:
+        self.reducer = reducer
+        self.name = getattr(reducer, "name", type(reducer).__name__)
+
+    def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup,
+               bucket: Bucket | None = None) -> PendingReduction:
+        return self.reducer.reduce(buffer, group)  # type: ignore[attr-defined]
 
 
 def _takes_bucket(reducer: object) -> bool:

@@ -1,18 +1,15 @@
-"""PowerSGD (Vogels et al., 2019): rank-r gradient compression by one power-iteration step, with error feedback and warm start."""
+"""PowerSGD (Vogels et al., 2019): rank-r gradient compression by one power-iteration step, warm-started."""
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from replicator.sync.summation import Summation
-from replicator.sync.worker import BucketReducer
-
-if TYPE_CHECKING:
-    from replicator.sync.bucket import Bucket
+from replicator.sync.bucket import Bucket
+from replicator.sync.reducers._summation import Summation
+from replicator.sync.reducers._worker import BucketReducer
 
 __all__ = ["PowerSGDReducer"]
 
@@ -37,7 +34,6 @@ class _BucketState:
     p_numel: int
     q_numel: int
     residual: torch.Tensor | None = None
-    rounds: int = 0
 
 
 class PowerSGDReducer(BucketReducer):
@@ -52,20 +48,19 @@ class PowerSGDReducer(BucketReducer):
     Error feedback (on by default): each replica keeps what the approximation misses of
     its own M, (I - B B^T) M with B = orth(P_sum), and adds it to its next gradient of that
     bucket; over the replicas these add up exactly to what compression has not yet
-    delivered, so nothing is lost, only late. Warm start: Q'_sum seeds the next step's power iteration, which then tracks
-    the gradients' leading subspace across steps. State is kept per bucket (by identity).
+    delivered, so nothing is lost, only late. Warm start: Q'_sum seeds the next step's power
+    iteration, which then tracks the gradients' leading subspace across steps. State is kept
+    per bucket (by identity).
     """
 
-    def __init__(self, summation: Summation, rank: int, error_feedback: bool = True, warm_start: bool = True,
-                 seed: int = 0) -> None:
+    def __init__(self, summation: Summation, rank: int, error_feedback: bool = True) -> None:
         if rank < 1:
             raise ValueError(f"PowerSGD rank must be at least 1, got {rank}")
         self.summation = summation
         self.rank = rank
         self.error_feedback = error_feedback
-        self.warm_start = warm_start
-        self.seed = seed
-        self.name = f"powersgd:{rank}" + ("" if error_feedback else "+noef") + ("" if summation.name == "flat" else "@" + summation.name)
+        topology = "" if summation.name == "flat" else "@" + summation.name
+        self.name = f"powersgd:{rank}" + ("" if error_feedback else "+noef") + topology
         super().__init__(self.name, summation.size)
         self._states: weakref.WeakKeyDictionary[Bucket, _BucketState] = weakref.WeakKeyDictionary()
 
@@ -97,21 +92,21 @@ class PowerSGDReducer(BucketReducer):
                 rank = min(self.rank, rows, cols)
                 # Compress only where the factors are smaller than the matrix.
                 if (rows + cols) * rank < rows * cols:
-                    q = self._random_q(bucket, position, cols, rank, 0, bucket.buffer)
+                    q = self._random_q(bucket, position, cols, rank, bucket.buffer)
                     matrices.append(_Matrix(position, start, rows, cols, rank, q))
                     continue
             if plain and plain[-1][0] + plain[-1][1] == start:
                 plain[-1] = (plain[-1][0], plain[-1][1] + numel)  # neighbours travel as one slice
             else:
                 plain.append((start, numel))
-        return _BucketState(
-            matrices, plain, sum(n for _, n in plain), sum(m.rows * m.rank for m in matrices), sum(m.cols * m.rank for m in matrices)
-        )
+        return _BucketState(matrices, plain, sum(n for _, n in plain), sum(m.rows * m.rank for m in matrices),
+                            sum(m.cols * m.rank for m in matrices))
 
-    def _random_q(self, bucket: Bucket, position: int, cols: int, rank: int, round_: int, like: torch.Tensor) -> torch.Tensor:
+    def _random_q(self, bucket: Bucket, position: int, cols: int, rank: int, like: torch.Tensor) -> torch.Tensor:
         # Seeded by place, not by rank of the process: every replica must start from the same Q.
-        generator = torch.Generator().manual_seed(((self.seed * 1_000_003 + bucket.index) * 1_000_003 + position) * 1_000_003 + round_)
-        return torch.randn(cols, rank, generator=generator, dtype=torch.float32).to(device=like.device, dtype=like.dtype)
+        generator = torch.Generator().manual_seed((bucket.index * 1_000_003 + position) * 1_000_003)
+        q = torch.randn(cols, rank, generator=generator, dtype=torch.float32)
+        return q.to(device=like.device, dtype=like.dtype)
 
     def _reduce(self, buffer: torch.Tensor, bucket: Bucket) -> None:
         state = self._state(bucket)
@@ -121,12 +116,9 @@ class PowerSGDReducer(BucketReducer):
             compensated = grads.clone() if state.residual is None else grads + state.residual
         else:
             compensated = grads  # read only before the approximation overwrites it
-        if not self.warm_start and state.rounds > 0:
-            for m in state.matrices:
-                m.q = self._random_q(bucket, m.position, m.cols, m.rank, state.rounds, buffer)
-        state.rounds += 1
 
-        first = torch.empty(state.plain_numel + state.p_numel + presence.numel(), dtype=buffer.dtype, device=buffer.device)
+        first = torch.empty(state.plain_numel + state.p_numel + presence.numel(), dtype=buffer.dtype,
+                            device=buffer.device)
         offset = 0
         for start, length in state.plain:
             first[offset : offset + length].copy_(compensated[start : start + length])
@@ -170,7 +162,7 @@ class PowerSGDReducer(BucketReducer):
 
         for m, basis, q in zip(state.matrices, bases, qs):
             torch.matmul(basis, q.t(), out=self._matrix(grads, m))
-            if self.warm_start and counts[m.position] > 0:
+            if counts[m.position] > 0:  # warm start: Q'_sum seeds the next round's power iteration
                 m.q = q.clone()
         if self.error_feedback:
             for start, length in state.plain:

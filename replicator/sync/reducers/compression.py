@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 
-from replicator.sync.summation import Summation
-from replicator.sync.worker import BucketReducer
-
-if TYPE_CHECKING:
-    from replicator.sync.bucket import Bucket
+from replicator.sync.bucket import Bucket
+from replicator.sync.reducers._summation import Summation
+from replicator.sync.reducers._worker import BucketReducer
 
 __all__ = ["CastReducer", "WIRE_TYPES"]
 
@@ -37,7 +34,8 @@ class CastReducer(BucketReducer):
         self.summation = summation
         self.dtype = WIRE_TYPES[wire]
         self.error_feedback = error_feedback
-        self.name = wire + ("+ef" if error_feedback else "") + ("" if summation.name == "flat" else "@" + summation.name)
+        topology = "" if summation.name == "flat" else "@" + summation.name
+        self.name = wire + ("+ef" if error_feedback else "") + topology
         # fp16 tops out at 65504: scaling by 1/N before the sum keeps N large gradients in range,
         # at the price of flushing those below ~6e-8 * N to zero (error feedback recovers them).
         # bf16 has fp32's range and needs no scaling.
@@ -57,7 +55,8 @@ class CastReducer(BucketReducer):
         if self.error_feedback:
             residual = self._residuals.get(bucket)
             compensated = grads.clone() if residual is None else grads + residual
-        wire = torch.empty(numel + (presence.numel() if self._presence_on_wire else 0), dtype=self.dtype, device=buffer.device)
+        wire = torch.empty(numel + (presence.numel() if self._presence_on_wire else 0), dtype=self.dtype,
+                           device=buffer.device)
         wire[:numel].copy_(compensated / self._replicas if self._prescale else compensated)
         lost = None
         if self.error_feedback:

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from replicator.comm.agreement import PendingAgreement
-from replicator.errors import ReplicaMismatchError
 from replicator.comm.local_link import LocalLink
-from replicator.sync.hierarchical import DEFAULT_CHUNK_BYTES, level_groups, processes_per_node, replicas_per_node
-from replicator.sync.summation import create_groups, replica_partition
+from replicator.errors import ReplicaMismatchError
+from replicator.sync.reducers._summation import create_groups
+from replicator.sync.reducers.hierarchical import DEFAULT_CHUNK_BYTES, level_groups, replicas_per_node
 from replicator.topology import ProcessGroups
 
 __all__ = ["SharedMemorySum", "shared_memory_usable", "host_memory_usable", "SHARED_MEMORY_DIR"]
@@ -37,13 +37,13 @@ def shared_memory_usable(groups: ProcessGroups, device: torch.device) -> str | N
     refusal = host_memory_usable(device)
     if refusal is not None:
         return refusal
-    partition = replica_partition(groups)
+    mesh = groups.mesh
     try:
-        per_node = replicas_per_node(partition[0], processes_per_node(groups))
+        per_node = replicas_per_node(mesh.replica_partition[0], mesh.local_world_size)
     except ValueError as error:
         return str(error)
-    if per_node != len(partition[0]):
-        return f"the replicas span {len(partition[0]) // per_node} nodes"
+    if per_node != mesh.num_replicas:
+        return f"the replicas span {mesh.num_replicas // per_node} nodes"
     return None
 
 
@@ -65,7 +65,7 @@ def _reserve(descriptor: int, size: int, path: str) -> None:
 
 
 class _Segment:
-    """One mapping shared by the node's replicas: `replicas` rows of `numel` elements, row i being replica i's tensor."""
+    """One mapping shared by the node's replicas: `replicas` rows of `numel` elements, row i replica i's tensor."""
 
     def __init__(self, path: str, replicas: int, numel: int, dtype: torch.dtype) -> None:
         size = replicas * numel * torch.empty((), dtype=dtype).element_size()
@@ -76,7 +76,8 @@ class _Segment:
         try:
             info = os.fstat(descriptor)
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-                raise PermissionError(f"{path} is not a private file of this user; refusing to share gradients through it")
+                raise PermissionError(
+                    f"{path} is not a private file of this user; refusing to share gradients through it")
             os.ftruncate(descriptor, size)  # every replica asks for the same size: idempotent
             _reserve(descriptor, size, path)
             self._mapping = mmap.mmap(descriptor, size)
@@ -117,15 +118,15 @@ class SharedMemorySum:
     def __init__(self, groups: ProcessGroups, timeout_s: float, per_node: int | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.chunk_bytes = chunk_bytes
-        partition = replica_partition(groups)
-        self.size = len(partition[0])
+        mesh = groups.mesh
+        partition = mesh.replica_partition
+        self.size = mesh.num_replicas
         per_node = self.size if per_node is None else per_node
         levels = (per_node, self.size // per_node)
         self.name = "shm" if levels[1] == 1 else f"hierarchical:{per_node}x{levels[1]}"
         node_groups = [ranks for members in partition for ranks in level_groups(members, levels, 0)]
-        me = dist.get_rank()
-        neighbours = next(ranks for ranks in node_groups if me in ranks)
-        self.local_size, self.position = per_node, neighbours.index(me)
+        neighbours = next(ranks for ranks in node_groups if mesh.rank in ranks)
+        self.local_size, self.position = per_node, neighbours.index(mesh.rank)
         self.group = create_groups(node_groups, timeout_s)
         # The node's barriers carry no data: a Unix socket signals them ten times faster than Gloo.
         self.link = LocalLink.connect(self.group, timeout_s)
@@ -133,11 +134,10 @@ class SharedMemorySum:
         if levels[1] > 1:
             self.across = create_groups([ranks for members in partition for ranks in level_groups(members, levels, 1)],
                                         timeout_s)
-        stage = groups.stage_ranks.index(me)
         # A name nobody can guess, agreed on by the node's replicas of this stage: the first one draws it.
         token = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
         dist.broadcast(token, src=neighbours[0], group=self.group)
-        self.path_prefix = os.path.join(SHARED_MEMORY_DIR, f"replicator-{int(token):x}-stage{stage}")
+        self.path_prefix = os.path.join(SHARED_MEMORY_DIR, f"replicator-{int(token):x}-stage{mesh.stage_id}")
         self._require_one_shared_memory(groups, neighbours, int(token))
         self._staging: dict[tuple[int, torch.dtype], _Segment] = {}
         self._owned: dict[int, _Segment] = {}  # allocated buckets, by their row's address
@@ -256,8 +256,9 @@ class SharedMemorySum:
         if arrival is None:
             self._barrier()
         elif not arrival.arrived():
-            raise ReplicaMismatchError("gradient buckets were not summed: the replicas reached different gradient "
-                                       "syncs (the error raised by backward(), train_step or the optimizer's step says which)")
+            raise ReplicaMismatchError(
+                "gradient buckets were not summed: the replicas reached different gradient syncs (the error "
+                "raised by backward(), train_step or the optimizer's step says which)")
 
     # Between a sum's first and last barrier, slice i of every row is replica i's alone: it adds
     # the peers' slices into its own row's, then writes the sum back into theirs. Each replica
@@ -288,7 +289,8 @@ class SharedMemorySum:
         chunks = -(-max(b - a for a, b in zip(bounds, bounds[1:])) // step)
 
         def chunk(owner: int, k: int) -> slice:
-            return slice(min(bounds[owner] + k * step, bounds[owner + 1]), min(bounds[owner] + (k + 1) * step, bounds[owner + 1]))
+            end = bounds[owner + 1]
+            return slice(min(bounds[owner] + k * step, end), min(bounds[owner] + (k + 1) * step, end))
 
         own = segment.rows[self.position]
         if not staged:
