@@ -51,7 +51,8 @@ KiB, MiB = 1 << 10, 1 << 20
 INTRA_SIZES = (4 * KiB, 64 * KiB, 512 * KiB, 2 * MiB, 8 * MiB)
 INTER_SIZES = (4 * KiB, 64 * KiB, 512 * KiB, 2 * MiB)
 # replicator's reducer -> the planner's: a Gloo all-reduce over the world is a ring in rank order.
-PLANNED = {"flat": ReduceAlgorithm("flat-ring", "ring"), "hierarchical": ReduceAlgorithm("hierarchical", "hierarchical"),
+PLANNED = {"flat": ReduceAlgorithm("flat-ring", "ring"),
+           "hierarchical": ReduceAlgorithm("hierarchical", "hierarchical"),
            "fp16": ReduceAlgorithm("flat-ring+fp16", "ring", gradient_bytes=2)}
 TARGET = 0.15
 
