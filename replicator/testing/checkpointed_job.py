@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import replicator as rp
 from replicator import checkpoint
+from replicator.checkpoint.files import STEP_NAME
 from replicator.recovery import current_attempt
 
 __all__ = ["main", "GLOBAL_BATCH", "SAMPLES", "JobResult", "launch_job", "recovery_problems"]
@@ -191,7 +192,7 @@ def recovery_problems(result: JobResult, reference: dict[str, torch.Tensor], *, 
     ports = {attempt: port for attempt, _, port in result.steps}
     if ports[0] == ports[1]:
         problems.append(f"both attempts used rendezvous port {ports[0]}")
-    leftovers = sorted(p.name for p in result.directory.iterdir() if not checkpoint._STEP_NAME.match(p.name))
+    leftovers = sorted(p.name for p in result.directory.iterdir() if not STEP_NAME.match(p.name))
     if leftovers or checkpoint.latest(result.directory) != checkpoint.step_path(result.directory, steps - steps % every):
         problems.append(f"checkpoint directory holds {sorted(p.name for p in result.directory.iterdir())}")
     return problems
