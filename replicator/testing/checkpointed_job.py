@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import replicator as rp
 from replicator import checkpoint
 from replicator.checkpoint.files import STEP_NAME
-from replicator.recovery import current_attempt
+from replicator.launch.recovery import current_attempt
 
 __all__ = ["main", "GLOBAL_BATCH", "SAMPLES", "JobResult", "launch_job", "recovery_problems"]
 
