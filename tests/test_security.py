@@ -53,7 +53,7 @@ def _sources(include_testing: bool = False) -> list[Path]:
     return [f for f in files if include_testing or EXEMPT not in f.parents]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tree(path: Path) -> ast.Module:
     return ast.parse(path.read_text(), filename=str(path))
 
@@ -69,7 +69,8 @@ def _calls(path: Path) -> list[tuple[ast.Call, str, str]]:
                 found.append((node, "", func.id))
             elif isinstance(func, ast.Attribute):
                 owner = func.value
-                name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+                name = (owner.id if isinstance(owner, ast.Name)
+                        else owner.attr if isinstance(owner, ast.Attribute) else "")
                 found.append((node, name, func.attr))
     return found
 
@@ -293,7 +294,8 @@ def listening(tmp_path_factory: pytest.TempPathFactory) -> dict:
     script.write_text("")
     env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _PROBE, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    done = subprocess.run([sys.executable, "-c", _PROBE, str(script)], capture_output=True, text=True, timeout=60,
+                          env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
