@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import replicator as rp
-from replicator import checkpoint
+from replicator import _env, checkpoint
 from replicator.checkpoint.files import STEP_NAME
 from replicator.launch.recovery import current_attempt
 
@@ -149,7 +149,7 @@ def launch_job(
     # Nothing from an enclosing job's rendezvous may leak into this one.
     rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")
     env = {k: v for k, v in os.environ.items() if k not in rendezvous}
-    env.update(REPLICATOR_PROGRESS="0", PYTHONUNBUFFERED="1")
+    env.update({_env.PROGRESS: "0", "PYTHONUNBUFFERED": "1"})
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         output, _ = launcher.communicate(timeout=timeout_s)

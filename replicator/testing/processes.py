@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from replicator import _env
 from replicator.launch import free_port
 
 __all__ = ["run_replicas", "ReplicaFailure", "RankError"]
@@ -41,8 +42,8 @@ def _worker(rank: int, world_size: int, local_world_size: int, port: int, env: d
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % local_world_size),
         LOCAL_WORLD_SIZE=str(local_world_size), GROUP_RANK=str(rank // local_world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-        REPLICATOR_THREADS="1", REPLICATOR_PROGRESS="0",
     )
+    os.environ.update({_env.THREADS: "1", _env.PROGRESS: "0"})
     os.environ.update(env)
     import torch
     import torch.distributed as dist
