@@ -88,7 +88,8 @@ def worker(options: argparse.Namespace) -> int:
         labels = torch.randint(0, CLASSES, (SAMPLES,), generator=data)
         dataset = torch.utils.data.TensorDataset(features, labels)
         sampler = ctx.sampler(dataset, shuffle=True, seed=0)
-        loader = torch.utils.data.DataLoader(dataset, batch_size=ctx.per_replica_batch_size(GLOBAL_BATCH), sampler=sampler)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=ctx.per_replica_batch_size(GLOBAL_BATCH),
+                                             sampler=sampler)
         return _Epochs(loader, sampler, options.steps)
 
     # A different stream per replica: that is what puts them out of step with each other.
@@ -126,7 +127,8 @@ def worker(options: argparse.Namespace) -> int:
             planned = (jitter.choice(("before", "in_flight", "reduce")), jitter.uniform(0.5, 1.0))
             delays["stalls"] += 1
         elif jitter.random() < options.delay_probability:
-            planned = (jitter.choice(("before", "in_flight", "reduce")), jitter.uniform(0.0, options.max_delay_ms / 1000))
+            planned = (jitter.choice(("before", "in_flight", "reduce")),
+                       jitter.uniform(0.0, options.max_delay_ms / 1000))
         features, labels = batch
         plan_now[0] = planned
         maybe_sleep("before", planned)
@@ -224,11 +226,13 @@ def parent(options: argparse.Namespace) -> int:
             sys.executable, "-m", "replicator.cli", "launch", "-n", str(options.replicas), "--threads", "1",
             str(Path(__file__).resolve()), "--worker", "--out", str(out),
             "--steps", str(options.steps), "--seed", str(options.seed), "--max-delay-ms", str(options.max_delay_ms),
-            "--delay-probability", str(options.delay_probability), "--stall-probability", str(options.stall_probability),
+            "--delay-probability", str(options.delay_probability),
+            "--stall-probability", str(options.stall_probability),
             "--sample-every", str(options.sample_every), "--check-every", str(options.check_every),
             "--inject-leak-kib", str(options.inject_leak_kib), "--inject-hang-step", str(options.inject_hang_step),
         ]
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        env = {k: v for k, v in os.environ.items() if k not in rendezvous}
         # A collective stuck longer than this raises, naming the replicas that never arrived.
         env.update(REPLICATOR_PROGRESS="0", PYTHONUNBUFFERED="1", REPLICATOR_TIMEOUT=str(options.collective_timeout))
         started = time.monotonic()
@@ -259,7 +263,8 @@ def parent(options: argparse.Namespace) -> int:
     for rank, result in sorted(results.items()):
         memory = _memory([tuple(x) for x in result["rss"]], options.steps)
         per_replica[rank] = {**memory, "steps": result["steps"], "seconds": result["seconds"],
-                             "delays": result["delays"], "checks": result["checks"], "param_sha256": result["param_sha256"]}
+                             "delays": result["delays"], "checks": result["checks"],
+                             "param_sha256": result["param_sha256"]}
         if result["steps"] != options.steps:
             failures.append(f"replica {rank} completed {result['steps']} of {options.steps} steps")
         if memory["growth_mib"] >= options.max_growth_mib:
@@ -295,7 +300,8 @@ def parent(options: argparse.Namespace) -> int:
     print(f"  {'rank':>4} {'RSS start':>10} {'@10%':>9} {'end':>9} {'max':>9} {'growth':>8} {'max grow':>9} "
           f"{'MiB/1k st':>9} {'delays':>7} {'stalls':>6} {'max delay':>9} {'checks':>6}")
     for rank, r in per_replica.items():
-        print(f"  {rank:>4} {r['start_mib']:>9.1f}M {r['at_10pct_mib']:>8.1f}M {r['end_mib']:>8.1f}M {r['max_mib']:>8.1f}M "
+        print(f"  {rank:>4} {r['start_mib']:>9.1f}M {r['at_10pct_mib']:>8.1f}M {r['end_mib']:>8.1f}M "
+              f"{r['max_mib']:>8.1f}M "
               f"{r['growth_mib']:>+7.2f}M {r['max_growth_mib']:>+8.2f}M {r['slope_mib_per_1000_steps']:>+9.3f} "
               f"{r['delays']['count']:>7} {r['delays']['stalls']:>6} {r['delays']['max_s']:>8.3f}s "
               f"{r['checks']['count'] - r['checks']['mismatches']:>3}/{r['checks']['count']:<3}")
@@ -317,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="replica r draws its delays from seed*1000+r")
     parser.add_argument("--max-delay-ms", type=float, default=10.0, help="ordinary delays are uniform in [0, this]")
     parser.add_argument("--delay-probability", type=float, default=0.5, help="share of steps a replica delays")
-    parser.add_argument("--stall-probability", type=float, default=0.002, help="share of steps a replica stalls 0.5-1 s")
+    parser.add_argument("--stall-probability", type=float, default=0.002,
+                        help="share of steps a replica stalls 0.5-1 s")
     parser.add_argument("--sample-every", type=int, default=25, help="sample RSS every N steps")
     parser.add_argument("--check-every", type=int, default=100, help="all_gather a parameter checksum every N steps")
     parser.add_argument("--max-growth-mib", type=float, default=20.0, help="RSS growth allowed from 10%% in to the end")
@@ -325,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--collective-timeout", type=float, default=60.0, help="REPLICATOR_TIMEOUT for the replicas")
     parser.add_argument("--json", default=None, help="also write the summary here")
     parser.add_argument("--inject-leak-kib", type=int, default=0,
-                        help="self-check: every replica keeps this many KiB per step alive (the memory check must fail)")
+                        help="self-check: every replica keeps this many KiB per step alive "
+                             "(the memory check must fail)")
     parser.add_argument("--inject-hang-step", type=int, default=-1,
                         help="self-check: the last replica sleeps forever at this step (the run must fail, not hang)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

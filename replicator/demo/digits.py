@@ -12,7 +12,8 @@ import json
 import math
 import sys
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -50,7 +51,9 @@ class ResNet(nn.Module):
     """Three stages of basic blocks (16, 32, 64 channels), each stage after the first halving the
     resolution; global average pooling and a linear classifier. blocks_per_stage=3 is ResNet-20."""
 
-    def __init__(self, num_classes: int = 10, blocks_per_stage: int = 2, widths: tuple[int, ...] = (16, 32, 64)) -> None:
+    def __init__(
+        self, num_classes: int = 10, blocks_per_stage: int = 2, widths: tuple[int, ...] = (16, 32, 64)
+    ) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(1, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
         layers: list[nn.Module] = []
@@ -68,7 +71,9 @@ class ResNet(nn.Module):
 
 
 # -- the data: 1,797 real handwritten digits, shipped with scikit-learn (no download) -------
-def load_digits_split(image_size: int = 8, test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+def load_digits_split(
+    image_size: int = 8, test_fraction: float = 0.2, seed: int = 0
+) -> tuple[TensorDataset, TensorDataset]:
     """Stratified train/test split of the digits as (N, 1, size, size) images, standardized on train."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     losses: list[float] = []
     started = time.perf_counter()
     source = epochs(inputs, None if args.steps is not None else args.epochs)
-    for step, loss in repl.run(step_fn, source, steps=steps, progress=not args.quiet, warmup_steps=args.warmup_steps):
+    for _, loss in repl.run(step_fn, source, steps=steps, progress=not args.quiet, warmup_steps=args.warmup_steps):
         losses.append(float(loss))
     train_seconds = time.perf_counter() - started
     run = repl.last_run
@@ -196,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     speed = (f"{result['images_per_second']:,.0f} images/s, "
              f"communication {100 * result['communication_share']:.1f}% of step time")
     if args.steps is None:
-        repl.print(f"test accuracy {100 * accuracy:.2f}% after {run['steps']} steps on {repl.num_replicas} replica(s); {speed}")
+        repl.print(f"test accuracy {100 * accuracy:.2f}% after {run['steps']} steps on {repl.num_replicas} replica(s); "
+                   f"{speed}")
     else:  # a timing run: too short for batch-norm statistics to settle, so accuracy means little
         repl.print(f"timing run of {run['steps']} steps on {repl.num_replicas} replica(s): {speed}")
     if args.result and repl.is_main:

@@ -42,7 +42,8 @@ def _report(single: dict[str, Any], many: dict[str, Any], replicas: int, seconds
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_row("test accuracy", f"{100 * many['test_accuracy']:.2f}% (target {100 * ACCURACY_TARGET:.0f}%)")
-    table.add_row("images/s, 1 replica", f"{single['images_per_second']:,.0f} (before {before:,.0f}, after {after:,.0f})")
+    table.add_row("images/s, 1 replica",
+                  f"{single['images_per_second']:,.0f} (before {before:,.0f}, after {after:,.0f})")
     table.add_row(f"images/s, {replicas} replicas", f"{many['images_per_second']:,.0f}")
     table.add_row("weak-scaling efficiency", f"{100 * efficiency:.1f}%")
     table.add_row("step time, 1 / N replicas", f"{single['step_time_ms']:.1f} ms / {many['step_time_ms']:.1f} ms")
@@ -61,7 +62,8 @@ def run_demo(replicas: int = 2, epochs: int = 12) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="replicator-demo-") as scratch:
         def time_one_replica(when: str) -> tuple[int, dict[str, Any] | None]:
-            console.print(f"[bold]{when}[/bold] timing 1 replica for {TIMING_STEPS} steps of {PER_REPLICA_BATCH} images")
+            console.print(f"[bold]{when}[/bold] timing 1 replica for {TIMING_STEPS} steps "
+                          f"of {PER_REPLICA_BATCH} images")
             return _train(1, ["--steps", str(TIMING_STEPS), "--global-batch", str(PER_REPLICA_BATCH)],
                           os.path.join(scratch, f"one-{when[0]}.json"))
 
@@ -88,6 +90,7 @@ def run_demo(replicas: int = 2, epochs: int = 12) -> int:
               "step_time_ms": (before["step_time_ms"] + after["step_time_ms"]) / 2}
     console.print(_report(single, many, replicas, time.perf_counter() - started))
     if many["test_accuracy"] < ACCURACY_TARGET:
-        console.print(f"[red]test accuracy {100 * many['test_accuracy']:.2f}% is below {100 * ACCURACY_TARGET:.0f}%[/red]")
+        console.print(f"[red]test accuracy {100 * many['test_accuracy']:.2f}% "
+                      f"is below {100 * ACCURACY_TARGET:.0f}%[/red]")
         return 1
     return 0

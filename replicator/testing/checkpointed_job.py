@@ -10,14 +10,16 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import replicator as rp
-from replicator import checkpoint
-from replicator.recovery import current_attempt
+from replicator import _env, checkpoint
+from replicator.checkpoint.files import STEP_NAME
+from replicator.launch.recovery import current_attempt
 
 __all__ = ["main", "GLOBAL_BATCH", "SAMPLES", "JobResult", "launch_job", "recovery_problems"]
 
@@ -34,7 +36,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--every", type=int, default=4, help="checkpoint every N steps")
     parser.add_argument("--keep", type=int, default=2)
     parser.add_argument("--kill-step", type=int, default=-1, help="on attempt 0, SIGKILL --kill-rank before this step")
-    parser.add_argument("--kill-save", type=int, default=-1, help="on attempt 0, SIGKILL --kill-rank while saving this step")
+    parser.add_argument("--kill-save", type=int, default=-1,
+                        help="on attempt 0, SIGKILL --kill-rank while saving this step")
     parser.add_argument("--kill-rank", type=int, default=1)
     return parser.parse_args(argv)
 
@@ -57,12 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     data = torch.Generator().manual_seed(1)
     features, labels = torch.randn(SAMPLES, 8, generator=data), torch.randint(0, 4, (SAMPLES,), generator=data)
     dataset = torch.utils.data.TensorDataset(features, labels)
-    sampler = torch.utils.data.DistributedSampler(
+    sampler: torch.utils.data.DistributedSampler[tuple[torch.Tensor, ...]] = torch.utils.data.DistributedSampler(
         dataset, num_replicas=repl.num_replicas, rank=repl.replica_id, shuffle=True, seed=0, drop_last=True
     )
     loader = torch.utils.data.DataLoader(dataset, batch_size=GLOBAL_BATCH // repl.num_replicas, sampler=sampler)
     layout = checkpoint.Layout(repl.replica_id, repl.num_replicas)
-    objects = dict(modules=model, optimizers=[optimizer], schedulers=[scheduler], layout=layout, group=repl.groups.control)
+    objects: dict[str, Any] = dict(modules=model, optimizers=[optimizer], schedulers=[scheduler], layout=layout,
+                                   group=repl.groups.control)
 
     # Each replica draws its own dropout masks and input noise (torch, Python and NumPy
     # generators), so a resumed run matches only if every replica's streams come back.
@@ -131,7 +135,9 @@ class JobResult:
     directory: Path = Path()
 
 
-def launch_job(workdir: Path, *job_args: str, replicas: int = 2, max_restarts: int = 0, timeout_s: float = 300.0) -> JobResult:
+def launch_job(
+    workdir: Path, *job_args: str, replicas: int = 2, max_restarts: int = 0, timeout_s: float = 300.0
+) -> JobResult:
     """Run this job under `replicator launch` in `workdir` (one thread per replica)."""
     workdir.mkdir(parents=True, exist_ok=True)
     out, log, directory = workdir / "params.pt", workdir / "steps.log", workdir / "checkpoints"
@@ -141,8 +147,9 @@ def launch_job(workdir: Path, *job_args: str, replicas: int = 2, max_restarts: i
         "--dir", str(directory), "--out", str(out), "--log", str(log), *job_args,
     ]
     # Nothing from an enclosing job's rendezvous may leak into this one.
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
-    env.update(REPLICATOR_PROGRESS="0", PYTHONUNBUFFERED="1")
+    rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
+    env.update({_env.PROGRESS: "0", "PYTHONUNBUFFERED": "1"})
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         output, _ = launcher.communicate(timeout=timeout_s)
@@ -191,8 +198,9 @@ def recovery_problems(result: JobResult, reference: dict[str, torch.Tensor], *, 
     ports = {attempt: port for attempt, _, port in result.steps}
     if ports[0] == ports[1]:
         problems.append(f"both attempts used rendezvous port {ports[0]}")
-    leftovers = sorted(p.name for p in result.directory.iterdir() if not checkpoint._STEP_NAME.match(p.name))
-    if leftovers or checkpoint.latest(result.directory) != checkpoint.step_path(result.directory, steps - steps % every):
+    leftovers = sorted(p.name for p in result.directory.iterdir() if not STEP_NAME.match(p.name))
+    last_saved = checkpoint.step_path(result.directory, steps - steps % every)
+    if leftovers or checkpoint.latest(result.directory) != last_saved:
         problems.append(f"checkpoint directory holds {sorted(p.name for p in result.directory.iterdir())}")
     return problems
 

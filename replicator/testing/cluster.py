@@ -1,4 +1,4 @@
-"""SimulatedCluster: nodes as Linux network namespaces joined by a rate-limited switch, to run multi-node jobs on one machine."""
+"""SimulatedCluster: nodes as network namespaces joined by a rate-limited switch, for multi-node jobs on one machine."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import re
 import shutil
 import subprocess
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from replicator.testing.processes import run_replicas
 
@@ -25,7 +26,7 @@ _NAME = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-(sw|n\d+)$")
 _CLONE_NEWNET = 0x40000000
 _NETNS_DIR = "/run/netns"
 
-_live: dict[int, "SimulatedCluster"] = {}
+_live: dict[int, SimulatedCluster] = {}
 _serial = 0
 _lock = threading.Lock()
 
@@ -100,7 +101,8 @@ def remove_stale() -> list[str]:
 def _networks_in_use() -> list[ipaddress.IPv4Network]:
     """Destinations of every IPv4 route (all tables) and every address's subnet in this namespace."""
     used: list[ipaddress.IPv4Network] = []
-    types = {"local", "broadcast", "unicast", "multicast", "anycast", "blackhole", "unreachable", "prohibit", "throw", "nat"}
+    types = {"local", "broadcast", "unicast", "multicast", "anycast", "blackhole", "unreachable", "prohibit", "throw",
+             "nat"}
     for line in _run(["ip", "-4", "-o", "route", "show", "table", "all"], check=False).stdout.splitlines():
         tokens = line.split()
         if tokens and tokens[0] in types:
@@ -154,7 +156,7 @@ class _Placement:
     procs_per_node: int
 
 
-def _resolve(target: "Callable[..., Any] | str") -> Callable[..., Any]:
+def _resolve(target: Callable[..., Any] | str) -> Callable[..., Any]:
     if callable(target):
         return target
     module, _, name = target.partition(":")
@@ -164,7 +166,7 @@ def _resolve(target: "Callable[..., Any] | str") -> Callable[..., Any]:
     return function
 
 
-def _on_node(placement: _Placement, target: "Callable[..., Any] | str", args: tuple) -> Any:
+def _on_node(placement: _Placement, target: Callable[..., Any] | str, args: tuple) -> Any:
     """Runs in each rank (under run_replicas): join this rank's node, then call the target."""
     rank = int(os.environ["RANK"])
     node = placement.nodes[rank // placement.procs_per_node]
@@ -201,7 +203,9 @@ class SimulatedCluster:
                  burst_bytes: int | None = None, queue_ms: float = 50.0, mtu: int = 1500,
                  subnet: str | None = None) -> None:
         if nodes < 1 or procs_per_node < 1:
-            raise ValueError(f"need at least 1 node and 1 process per node, got nodes={nodes}, procs_per_node={procs_per_node}")
+            raise ValueError(
+                f"need at least 1 node and 1 process per node, got nodes={nodes}, procs_per_node={procs_per_node}"
+            )
         if nodes > 250:
             raise ValueError(f"at most 250 nodes fit the cluster's /24, got {nodes}")
         if link_mbit <= 0:
@@ -227,7 +231,7 @@ class SimulatedCluster:
         """The line rate of one node's link, one direction, in bytes/s (layer 2, headers included)."""
         return self.link_mbit * 1e6 / 8
 
-    def __enter__(self) -> "SimulatedCluster":
+    def __enter__(self) -> SimulatedCluster:
         self.start()
         return self
 
@@ -267,7 +271,8 @@ class SimulatedCluster:
                       "peer", "name", node.interface, "mtu", str(self.mtu), "netns", node.namespace])
                 _run(["ip", "-n", self.switch, "link", "set", port, "master", "br0"])
                 _run(["ip", "-n", self.switch, "link", "set", port, "up"])
-                _run(["ip", "-n", node.namespace, "addr", "add", f"{node.address}/{subnet.prefixlen}", "dev", node.interface])
+                _run(["ip", "-n", node.namespace, "addr", "add", f"{node.address}/{subnet.prefixlen}",
+                      "dev", node.interface])
                 _run(["ip", "-n", node.namespace, "link", "set", node.interface, "up"])
                 _run(["ip", "-n", node.namespace, "link", "set", "lo", "up"])
                 self._shape(node.namespace, node.interface)  # node -> switch
@@ -302,12 +307,13 @@ class SimulatedCluster:
         """`tc -s qdisc` of every shaped device, for a look at drops and overlimits."""
         stats = {}
         for node in self.nodes:
-            stats[node.interface] = _run(["tc", "-n", node.namespace, "-s", "qdisc", "show", "dev", node.interface]).stdout
+            command = ["tc", "-n", node.namespace, "-s", "qdisc", "show", "dev", node.interface]
+            stats[node.interface] = _run(command).stdout
             port = f"port{node.index}"
             stats[port] = _run(["tc", "-n", self.switch, "-s", "qdisc", "show", "dev", port]).stdout
         return stats
 
-    def run(self, fn: "Callable[..., Any] | str", *args: Any, timeout_s: float = 120.0,
+    def run(self, fn: Callable[..., Any] | str, *args: Any, timeout_s: float = 120.0,
             env: dict[str, str] | None = None) -> list[Any]:
         """Run `fn(*args)` on every rank (node-major: rank = node * procs_per_node + local rank); results in rank order.
 
@@ -324,7 +330,7 @@ class SimulatedCluster:
                             env=env, local_world_size=self.procs_per_node)
 
 
-def run_on_cluster(fn: "Callable[..., Any] | str", *args: Any, nodes: int = 2, procs_per_node: int = 2,
+def run_on_cluster(fn: Callable[..., Any] | str, *args: Any, nodes: int = 2, procs_per_node: int = 2,
                    link_mbit: float = 1000.0, timeout_s: float = 120.0, env: dict[str, str] | None = None,
                    **cluster_options: Any) -> list[Any]:
     """Build a SimulatedCluster, run `fn(*args)` on all its ranks, tear it down; results in rank order."""

@@ -8,9 +8,11 @@ import pickle
 import queue
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
+from replicator import _env
 from replicator.launch import free_port
 
 __all__ = ["run_replicas", "ReplicaFailure", "RankError"]
@@ -40,8 +42,8 @@ def _worker(rank: int, world_size: int, local_world_size: int, port: int, env: d
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % local_world_size),
         LOCAL_WORLD_SIZE=str(local_world_size), GROUP_RANK=str(rank // local_world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-        REPLICATOR_THREADS="1", REPLICATOR_PROGRESS="0",
     )
+    os.environ.update({_env.THREADS: "1", _env.PROGRESS: "0"})
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -65,8 +67,9 @@ def run_replicas(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
     Each process sees torchrun's variables (RANK, WORLD_SIZE, ...) so `rp.Replicator()`
     joins the group as it would under `replicator launch`. `fn` must be importable (a
     module-level function). `local_world_size` < world_size pretends the processes sit on
-    world_size / local_world_size nodes (all on loopback), for hierarchical code paths. If any rank raises, ReplicaFailure lists every rank's error;
-    if any rank is still running after `timeout_s`, all are killed and TimeoutError names them.
+    world_size / local_world_size nodes (all on loopback), for hierarchical code paths. If
+    any rank raises, ReplicaFailure lists every rank's error; if any rank is still running
+    after `timeout_s`, all are killed and TimeoutError names them.
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "replicator"])
@@ -76,7 +79,8 @@ def run_replicas(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
     if world_size % local_world_size:
         raise ValueError(f"local_world_size {local_world_size} does not divide world_size {world_size}")
     processes = [
-        context.Process(target=_worker, args=(rank, world_size, local_world_size, port, env or {}, fn, args, results), daemon=True)
+        context.Process(target=_worker, daemon=True,
+                        args=(rank, world_size, local_world_size, port, env or {}, fn, args, results))
         for rank in range(world_size)
     ]
     for process in processes:
@@ -103,5 +107,6 @@ def run_replicas(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
     vanished = [rank for rank in range(world_size) if rank not in collected]
     errors += [RankError(rank, "died", f"exit code {processes[rank].exitcode}", "") for rank in vanished]
     if errors:
-        raise ReplicaFailure(sorted(errors, key=lambda e: e.rank), {r: v for r, (s, v) in collected.items() if s == "ok"})
+        succeeded = {r: v for r, (s, v) in collected.items() if s == "ok"}
+        raise ReplicaFailure(sorted(errors, key=lambda e: e.rank), succeeded)
     return [collected[rank][1] for rank in range(world_size)]

@@ -77,7 +77,8 @@ def test_a_restored_run_continues_exactly_as_an_uninterrupted_one(tmp_path: Path
     trainer = Trainer()
     for step in range(3):
         trainer.step(step)
-    checkpoint.save(tmp_path / "ck", **trainer.objects(), step=3, input_state={"epoch": 1, "batches": 3}, extra={"note": "hi"})
+    checkpoint.save(tmp_path / "ck", **trainer.objects(), step=3, input_state={"epoch": 1, "batches": 3},
+                    extra={"note": "hi"})
     for step in range(3, 6):
         trainer.step(step)
     uninterrupted = trainer.snapshot()
@@ -166,7 +167,8 @@ def replicated(directory: str, saved_steps: int, more_steps: int) -> dict[str, t
     """Restore `directory` if it holds a checkpoint, else train `saved_steps` and save; then train `more_steps`."""
     repl = rp.Replicator()
     with repl.scope():
-        trainer = Trainer(model=torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)), repl=repl)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        trainer = Trainer(model=model, repl=repl)
     share = repl.context.num_replicas
     rows = slice(repl.replica_id * GLOBAL_BATCH // share, (repl.replica_id + 1) * GLOBAL_BATCH // share)
     layout = Layout(repl.replica_id, repl.num_replicas)
@@ -177,7 +179,8 @@ def replicated(directory: str, saved_steps: int, more_steps: int) -> dict[str, t
                         layout=layout, group=repl.groups.control)
         start = saved_steps
     else:
-        restored = checkpoint.restore(checkpoint.latest(directory), **trainer.objects(), layout=layout, group=repl.groups.control)
+        restored = checkpoint.restore(checkpoint.latest(directory), **trainer.objects(), layout=layout,
+                                      group=repl.groups.control)
         start = restored.step
     for step in range(start, start + more_steps):
         trainer.step(step, rows, noise=False)

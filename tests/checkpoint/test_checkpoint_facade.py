@@ -14,20 +14,25 @@ from replicator.testing import run_replicas
 GLOBAL_BATCH, SAMPLES, STEPS = 16, 256, 10  # 16 batches in the epoch that run() iterates
 
 
-def train(directory: str, steps: int, shuffle_with_sampler: bool) -> tuple[list[int], list[float], dict[str, torch.Tensor]]:
+def train(
+    directory: str, steps: int, shuffle_with_sampler: bool
+) -> tuple[list[int], list[float], dict[str, torch.Tensor]]:
     """Run (resuming from `directory` if it holds a checkpoint) until `steps`; return steps, losses, parameters."""
     repl = rp.Replicator()
     torch.manual_seed(int.from_bytes(os.urandom(2), "little"))  # a fresh process could start anywhere...
     with repl.scope():
         torch.manual_seed(0)  # ...but builds the same model
-        model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 3))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 3)
+        )
         optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         repl.wrap_scheduler(torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5))
     torch.manual_seed(10 + repl.replica_id)
 
     def input_fn(ctx: rp.InputContext):
         data = torch.Generator().manual_seed(3)
-        dataset = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 6, generator=data), torch.randint(0, 3, (SAMPLES,), generator=data))
+        dataset = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 6, generator=data),
+                                                 torch.randint(0, 3, (SAMPLES,), generator=data))
         if shuffle_with_sampler:
             share = ctx.per_replica_batch_size(GLOBAL_BATCH)
             return torch.utils.data.DataLoader(dataset, batch_size=share, sampler=ctx.sampler(dataset))
@@ -42,7 +47,8 @@ def train(directory: str, steps: int, shuffle_with_sampler: bool) -> tuple[list[
         return ctx.all_mean(loss.detach())
 
     done, losses = [], []
-    run = repl.run(step_fn, repl.prepare_input(input_fn), steps=steps, checkpoint_every=4, checkpoint_dir=directory, progress=False)
+    run = repl.run(step_fn, repl.prepare_input(input_fn), steps=steps, checkpoint_every=4, checkpoint_dir=directory,
+                   progress=False)
     for step, loss in run:
         done.append(step)
         losses.append(float(loss))

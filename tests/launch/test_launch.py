@@ -38,10 +38,13 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def launch(tmp_path: Path, *extra: str, replicas: int = 2, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def launch(
+    tmp_path: Path, *extra: str, replicas: int = 2, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    command = [sys.executable, "-m", "replicator.cli", "launch", "-n", str(replicas), str(script), str(tmp_path), *extra]
+    command = [sys.executable, "-m", "replicator.cli", "launch", "-n", str(replicas), str(script), str(tmp_path),
+               *extra]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, env={"REPLICATOR_PROGRESS": "0",
                           "PATH": "/usr/bin:/bin", **(env or {})})
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from replicator.launch import LaunchSpec, torchrun_arguments
-from replicator.recovery import Outcome, run_attempts
+from replicator.launch.recovery import Outcome, run_attempts
 from replicator.testing import run_replicas
 from replicator.testing.checkpointed_job import launch_job, main, recovery_problems
 
@@ -56,11 +56,15 @@ def test_a_replica_killed_at_a_random_step_is_restarted_and_ends_identical(tmp_p
     chooser = random.Random()
     kill_step, kill_rank = chooser.randrange(1, STEPS), chooser.randrange(2)
     result = launch_job(tmp_path, *JOB, "--kill-step", str(kill_step), "--kill-rank", str(kill_rank), max_restarts=2)
-    assert not recovery_problems(result, reference, steps=STEPS, every=EVERY), (kill_step, kill_rank, result.output[-3000:])
+    problems = recovery_problems(result, reference, steps=STEPS, every=EVERY)
+    assert not problems, (kill_step, kill_rank, result.output[-3000:])
     assert "restarting the whole job (attempt 2 of at most 3)" in result.output
 
 
-def test_a_replica_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path: Path, reference: dict) -> None:
+def test_a_replica_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(
+    tmp_path: Path, reference: dict
+) -> None:
     result = launch_job(tmp_path, *JOB, "--kill-save", "8", "--kill-rank", "1", max_restarts=1)
     assert not recovery_problems(result, reference, steps=STEPS, every=EVERY), result.output[-3000:]
-    assert [step for attempt, step, _ in result.steps if attempt == 1][0] == 5  # step 8's checkpoint never became visible
+    # Step 8's checkpoint never became visible, so attempt 1 resumes after step 4.
+    assert [step for attempt, step, _ in result.steps if attempt == 1][0] == 5

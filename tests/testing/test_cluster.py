@@ -1,4 +1,5 @@
-"""Simulated cluster: 2 namespaces × 2 processes find their topology, hierarchical equals flat, the link limit is real, cleanup is total."""
+"""Simulated cluster: 2 namespaces × 2 processes find their topology, hierarchical equals flat, the link limit
+is real, cleanup is total."""
 
 from __future__ import annotations
 
@@ -125,22 +126,29 @@ def test_local_links_form_inside_a_node_only(cluster_results: tuple[list[dict[st
 
 
 @needs_cluster
-def test_hierarchical_equals_flat_on_the_cluster(cluster_results: tuple[list[dict[str, Any]], SimulatedCluster]) -> None:
+def test_hierarchical_equals_flat_on_the_cluster(
+    cluster_results: tuple[list[dict[str, Any]], SimulatedCluster]
+) -> None:
     results, _ = cluster_results
     assert results[0]["sums"]["hierarchical"][0] == "hierarchical:2x2"
     # The nodes share /dev/shm, but "auto" must read the topology: two nodes, so shared memory only inside each.
     assert results[0]["sums"]["auto"][0] == "hierarchical:2x2"
     for rank, result in enumerate(results):
         for spec in ("hierarchical", "auto"):
-            assert result["sums"][spec][2] == result["intra_members"], f"rank {rank}: {spec} shares memory beyond its node"
-    expected_integers = sum(torch.randint(-1000, 1000, (ODD_LENGTH,), generator=torch.Generator().manual_seed(r)).float()
-                            for r in range(4))
+            assert result["sums"][spec][2] == result["intra_members"], (
+                f"rank {rank}: {spec} shares memory beyond its node"
+            )
+    expected_integers = sum(
+        torch.randint(-1000, 1000, (ODD_LENGTH,), generator=torch.Generator().manual_seed(r)).float() for r in range(4)
+    )
     for rank, result in enumerate(results):
         _, (flat_integers, flat_floats), _ = result["sums"]["flat"]
         _, (hier_integers, hier_floats), _ = result["sums"]["hierarchical"]
         assert torch.equal(flat_integers, expected_integers), f"rank {rank}: flat sum is wrong"
         assert torch.equal(hier_integers, flat_integers), f"rank {rank}: hierarchical differs from flat on integers"
-        assert torch.equal(result["sums"]["auto"][1][0], flat_integers), f"rank {rank}: auto differs from flat on integers"
+        assert torch.equal(result["sums"]["auto"][1][0], flat_integers), (
+            f"rank {rank}: auto differs from flat on integers"
+        )
         # Floats: the same four terms added in another order, so fp32 round-off only.
         assert torch.allclose(hier_floats, flat_floats, rtol=1e-6, atol=1e-6), f"rank {rank}: hierarchical drifted"
         assert torch.equal(hier_floats, results[0]["sums"]["hierarchical"][1][1]), f"rank {rank} disagrees with rank 0"
@@ -152,9 +160,13 @@ def test_the_link_limit_is_real(cluster_results: tuple[list[dict[str, Any]], Sim
     at_line_rate = TRANSFER_BYTES / cluster.link_bytes_per_s
     inter, intra = min(results[0]["inter"]), min(results[0]["intra"])
     # Even the fastest repeat cannot beat the rate (the burst lets at most 64 KiB through early) ...
-    assert inter >= 0.7 * at_line_rate, f"{TRANSFER_BYTES} B crossed nodes in {inter:.3f} s, faster than {LINK_MBIT} Mbit/s allows"
+    assert inter >= 0.7 * at_line_rate, (
+        f"{TRANSFER_BYTES} B crossed nodes in {inter:.3f} s, faster than {LINK_MBIT} Mbit/s allows"
+    )
     # ... and the link still carries a good share of it (a broken shaper would crawl).
-    assert inter <= 3.0 * at_line_rate, f"{TRANSFER_BYTES} B took {inter:.3f} s across nodes, {at_line_rate:.3f} s at line rate"
+    assert inter <= 3.0 * at_line_rate, (
+        f"{TRANSFER_BYTES} B took {inter:.3f} s across nodes, {at_line_rate:.3f} s at line rate"
+    )
     # Inside a node the kernel delivers over loopback: no shaper on the way.
     assert intra <= 0.25 * inter, f"intra-node {intra:.4f} s vs inter-node {inter:.4f} s: is intra-node traffic shaped?"
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-__all__ = ["ATTEMPT_ENV", "MAX_RESTARTS_ENV", "Outcome", "current_attempt", "run_attempts"]
+from replicator import _env
 
-# Set for every replica: which attempt this is (0 first) and how many restarts the launch allows.
-ATTEMPT_ENV = "REPLICATOR_ATTEMPT"
-MAX_RESTARTS_ENV = "REPLICATOR_MAX_RESTARTS"
+__all__ = ["Outcome", "current_attempt", "run_attempts"]
 
 
 @dataclass
@@ -28,7 +25,7 @@ def current_attempt() -> int:
     Counts replicator's restarts and, for a job started by plain torchrun, torchrun's own
     (under `replicator launch` torchrun never restarts, so its count stays 0).
     """
-    return int(os.environ.get(ATTEMPT_ENV) or 0) + int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    return _env.attempt()
 
 
 def _say(line: str) -> None:

@@ -23,7 +23,7 @@ from replicator.plan.step import Accelerator, Workload
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["add_parser", "add_arguments", "main"]
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
@@ -212,3 +212,12 @@ def main(options: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"replicator plan: {error}", file=sys.stderr)
         return 2
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Register `replicator plan` with its options; the parsed options run `main`."""
+    parser = commands.add_parser(
+        "plan", help="predict scaling (alpha-beta model); recommend a reducer, bucket, pipeline"
+    )
+    add_arguments(parser)
+    parser.set_defaults(run=main)

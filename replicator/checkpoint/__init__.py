@@ -1,0 +1,288 @@
+"""Checkpoints on torch.distributed.checkpoint: atomic, resharding, loaded without unpickling code.
+
+`save` and `restore` are the two collective verbs; the concerns they combine live below:
+`files` (naming, the atomic commit, pruning, `latest`), `safe_load` (DCP's reader with
+nothing unpickled), `state` (modules, optimizers and schedulers by name), `rng` (random
+generators), `values` (JSON for the rest) and `collective` (the group's shared verdicts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from replicator.checkpoint.collective import all_ok, barrier, distributed, quiet_dcp, rank_in
+from replicator.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from replicator.checkpoint.files import (
+    FORMAT,
+    JOB_FILE,
+    PARTIAL_SUFFIX,
+    commit,
+    fsync_directory,
+    latest,
+    prune,
+    read_info,
+    step_path,
+    write_json,
+)
+from replicator.checkpoint.layout import Layout
+from replicator.checkpoint.rng import fresh_seed, rng_tensors, set_rng
+from replicator.checkpoint.safe_load import SafeReader, TensorsOnlyPlanner, tensor_metadata
+from replicator.checkpoint.state import (
+    check_model,
+    model_state,
+    named_modules,
+    optimizer_state,
+    parameter_names,
+    plan_optimizer,
+    plan_schedulers,
+    scheduler_state,
+)
+from replicator.checkpoint.values import from_json, to_json
+from replicator.errors import ReplicatorUsageError
+
+__all__ = [
+    "Layout",
+    "Restored",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "save",
+    "restore",
+    "latest",
+    "step_path",
+    "prune",
+    "read_info",
+]
+
+
+@dataclass
+class Restored:
+    """What `restore` hands back besides the objects it loaded in place."""
+
+    path: Path
+    step: int
+    input_state: dict[str, Any]  # the job-wide part, plus this process's tensors where it had any
+    extra: dict[str, Any]
+    saved_layout: Layout  # replica/stage counts of the job that wrote it (replica = stage = 0)
+    rng_restored: bool  # False: this process had no saved streams and was seeded afresh
+
+
+_ALONE = Layout()  # replica 0 of 1, stage 0 of 1: a job of one process
+
+# A test hook: called on every rank once its files are written and before the commit, so a
+# test can kill a process at the worst moment. Never set outside tests. It lives here, beside
+# `save`, because tests set it as `replicator.checkpoint._after_write`.
+_after_write: Callable[[Path], None] | None = None
+
+
+def save(
+    path: str | os.PathLike[str],
+    *,
+    modules: nn.Module | Mapping[str, nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    schedulers: Sequence[Any] = (),
+    step: int = 0,
+    input_state: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    layout: Layout = _ALONE,
+    group: dist.ProcessGroup | None = None,
+    keep: int | None = None,
+) -> Path:
+    """Write a checkpoint to `path` atomically; every process of `group` calls it together.
+
+    Args:
+        modules: a module (saved as "model") or {name: module}. A pipeline stage passes
+            its own stage module under the name the unsplit model uses: stage modules keep
+            the original layer indices, so the stages' keys together are the whole model's.
+        optimizers, schedulers: saved by parameter name, so they reshard and merge.
+        step: the number of completed steps.
+        input_state: where the input stands. JSON values (epoch, batches consumed) are the
+            job's, written by rank 0; tensors (e.g. the generator state the epoch began
+            with) are this process's own.
+        extra: any JSON-able job metadata.
+        layout: this process's replica and stage (and their counts).
+        group: a process group spanning the whole job that can reduce CPU tensors (Gloo):
+            Replicator's `groups.control`. None on one process.
+        keep: afterwards keep only the newest `keep` checkpoints of `path`'s directory.
+
+    Replicated tensors (every replica has the same) are written once: DCP deduplicates
+    them across the group. Files go to `<path>.partial`; after every process has written
+    and a barrier, rank 0 writes the job file and renames the directory to `path`, so
+    `path` exists only when complete. Returns `path`.
+    """
+    path = Path(path)
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    rank = rank_in(group)
+    failure: Exception | None = None
+    try:
+        if keep is not None and keep < 1:
+            raise ReplicatorUsageError(f"keep must be at least 1 (the checkpoint being written), got {keep}")
+        tensors, stage_record, job = _gather(modules, optimizers, schedulers, step, input_state, extra, layout)
+    except Exception as error:  # e.g. a value JSON cannot hold: every process must learn of it, or the rest would wait
+        failure = error
+    if not all_ok(failure is None, group):
+        if failure is not None:
+            raise failure
+        raise CheckpointError(f"another process could not prepare checkpoint {path}; its error names the problem")
+
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # a previous attempt's leftovers
+        partial.mkdir(parents=True)
+    barrier(group)
+    with quiet_dcp():
+        dcp.save(tensors, storage_writer=FileSystemWriter(partial, sync_files=True),
+                 process_group=group if distributed(group) else None, no_dist=not distributed(group))
+    if layout.replica == 0:
+        write_json(partial / f"stage{layout.stage}.json", stage_record)
+    if _after_write is not None:
+        _after_write(partial)
+    barrier(group)  # every shard and stage file is on disk
+    if rank == 0:
+        write_json(partial / JOB_FILE, job)
+        fsync_directory(partial)
+        commit(partial, path)
+        if keep is not None:
+            prune(path.parent, keep)
+    barrier(group)  # nobody returns before the checkpoint is visible
+    return path
+
+
+def _gather(
+    modules: nn.Module | Mapping[str, nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    schedulers: Sequence[Any],
+    step: int,
+    input_state: Mapping[str, Any] | None,
+    extra: Mapping[str, Any] | None,
+    layout: Layout,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """This process's tensors for DCP, its stage's JSON record and the job's JSON record."""
+    named = named_modules(modules)
+    tensors = model_state(named)
+    names = parameter_names(named)
+    optimizer_records = []
+    for index, optimizer in enumerate(optimizers):
+        optimizer_tensors, record = optimizer_state(optimizer, names, index)
+        tensors.update(optimizer_tensors)
+        optimizer_records.append(record)
+    scheduler_records = [scheduler_state(scheduler, index) for index, scheduler in enumerate(schedulers)]
+    local = {f"rng/{k}": v for k, v in rng_tensors().items()}
+    job_input: dict[str, Any] = {}
+    for key, value in (input_state or {}).items():
+        if isinstance(value, torch.Tensor):
+            local[f"input/{key}"] = value
+        else:
+            job_input[key] = to_json(value, f"input_state[{key!r}]")
+    for key, value in local.items():
+        tensors[f"_local/{layout.tag}/{key}"] = value.detach().cpu()
+    job = {
+        "format": FORMAT,
+        "step": int(step),
+        "num_replicas": layout.num_replicas,
+        "num_stages": layout.num_stages,
+        "modules": sorted(named),
+        "input": job_input,
+        "extra": to_json(dict(extra or {}), "extra"),
+        "torch": torch.__version__,
+    }
+    return tensors, {"optimizers": optimizer_records, "schedulers": scheduler_records}, job
+
+
+def restore(
+    path: str | os.PathLike[str],
+    *,
+    modules: nn.Module | Mapping[str, nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    schedulers: Sequence[Any] = (),
+    layout: Layout = _ALONE,
+    group: dist.ProcessGroup | None = None,
+    rng: bool = True,
+) -> Restored:
+    """Load a checkpoint into the given objects in place; every process of `group` calls it.
+
+    Any replica count and stage split can load any checkpoint of the same model:
+    replicated state is read in full by every process (4 replicas → 2, → 1 for
+    evaluation), and optimizer state is matched by parameter name, so a pipeline's stages
+    restore into the unsplit model and back. A checkpoint of a different model raises
+    CheckpointMismatchError on every process, listing the keys that differ.
+
+    Random generators (torch, CUDA, Python, NumPy): the process at (replica r, stage s)
+    gets back the streams that (r, s) saved. A process with no saved counterpart (more
+    replicas than before, or a different stage split) is seeded afresh from (step, r, s)
+    and `rng_restored` is False: the run is then reproducible but not identical to an
+    uninterrupted one, which changing the replica count makes it anyway.
+
+    Nothing is unpickled: tensors load with weights_only, DCP's metadata through an
+    allow-list of its own record types, and everything else is JSON.
+    """
+    path = Path(path)
+    failure: Exception | None = None
+    try:
+        named = named_modules(modules)
+        info = read_info(path)
+        stage_files = sorted(path.glob("stage*.json"))
+        stages = {int(p.stem[5:]): from_json(json.loads(p.read_text())) for p in stage_files}
+        available = tensor_metadata(path)
+        target = model_state(named)
+        mismatch = check_model(target, available, partial=layout.num_stages > 1)
+        if mismatch:
+            raise CheckpointMismatchError(f"checkpoint {path} does not match the model: {mismatch}")
+        names = parameter_names(named)
+        optimizer_loads = [
+            plan_optimizer(optimizer, names, index, stages, available, target)
+            for index, optimizer in enumerate(optimizers)
+        ]
+        scheduler_states = plan_schedulers(schedulers, stages, info, layout)
+        saved_layout = Layout(0, int(info["num_replicas"]), 0, int(info["num_stages"]))
+        # Per-process state belongs to a (replica, stage) of the same stage split only.
+        same_split = int(info["num_stages"]) == layout.num_stages
+        local_prefix = f"_local/{layout.tag}/"
+        local_keys = [k for k in available if same_split and k.startswith(local_prefix)]
+        for key in local_keys:
+            spec = available[key]
+            target[key] = torch.empty(tuple(spec.size), dtype=spec.properties.dtype)
+    except Exception as error:  # shared below, so that no process waits in dcp.load for one that gave up
+        failure = error
+    if not all_ok(failure is None, group):
+        if failure is not None:
+            raise failure
+        raise CheckpointError(f"another process could not restore {path}; its error names the problem")
+
+    with quiet_dcp():
+        dcp.load(target, storage_reader=SafeReader(path), planner=TensorsOnlyPlanner(),
+                 process_group=group if distributed(group) else None, no_dist=not distributed(group))
+
+    for name, module in named.items():
+        prefix = f"{name}."
+        own: dict[str, Any] = {k[len(prefix):]: v for k, v in target.items() if k.startswith(prefix)}
+        set_model_state_dict(module, own, options=StateDictOptions(strict=True))
+    for optimizer, plan in zip(optimizers, optimizer_loads):
+        optimizer.load_state_dict(plan(target))
+    for scheduler, state in zip(schedulers, scheduler_states):
+        scheduler.load_state_dict(dict(state))
+
+    local = {k[len(local_prefix):]: target[k] for k in local_keys}
+    step = int(info["step"])
+    rng_state = {k[4:]: v for k, v in local.items() if k.startswith("rng/")}
+    restored_rng = False
+    if rng:
+        if rng_state:
+            set_rng(rng_state)
+            restored_rng = True
+        else:
+            fresh_seed(step, layout)
+    input_state = dict(from_json(info["input"]))
+    input_state.update({k[6:]: v for k, v in local.items() if k.startswith("input/")})
+    return Restored(path, step, input_state, from_json(info["extra"]), saved_layout, restored_rng)
