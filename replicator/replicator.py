@@ -326,12 +326,11 @@ class Replicator:
             modules = {f"model{i}": module for i, module in enumerate(self.models.modules)}
         if not modules:
             raise ReplicatorUsageError("there is nothing to checkpoint: build the model inside `with repl.scope():`")
-        mesh = self.job.mesh
         return {
             "modules": modules,
             "optimizers": [w.optimizer for w in self.optimizers.wrapped],
             "schedulers": list(self.optimizers.schedulers),
-            "layout": Layout(mesh.replica_id, mesh.num_replicas, mesh.stage_id, mesh.stages),
+            "layout": Layout.of(self.job.mesh),
             "group": self.groups.control,
         }
 

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from replicator.checkpoint.collective import all_ok, barrier, distributed, quiet_dcp, rank_in
+from replicator.checkpoint.collective import barrier, distributed, quiet_dcp, rank_in
 from replicator.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from replicator.checkpoint.files import (
     FORMAT,
@@ -51,6 +51,7 @@ from replicator.checkpoint.state import (
     scheduler_state,
 )
 from replicator.checkpoint.values import from_json, to_json
+from replicator.comm.decision import everyone_agrees
 from replicator.errors import ReplicatorUsageError
 
 __all__ = [
@@ -132,7 +133,7 @@ def save(
         tensors, stage_record, job = _gather(modules, optimizers, schedulers, step, input_state, extra, layout)
     except Exception as error:  # e.g. a value JSON cannot hold: every process must learn of it, or the rest would wait
         failure = error
-    if not all_ok(failure is None, group):
+    if not everyone_agrees(failure is None, group):
         if failure is not None:
             raise failure
         raise CheckpointError(f"another process could not prepare checkpoint {path}; its error names the problem")
@@ -255,7 +256,7 @@ def restore(
             target[key] = torch.empty(tuple(spec.size), dtype=spec.properties.dtype)
     except Exception as error:  # shared below, so that no process waits in dcp.load for one that gave up
         failure = error
-    if not all_ok(failure is None, group):
+    if not everyone_agrees(failure is None, group):
         if failure is not None:
             raise failure
         raise CheckpointError(f"another process could not restore {path}; its error names the problem")

@@ -6,7 +6,6 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 
-import torch
 import torch.distributed as dist
 
 __all__: list[str] = []
@@ -23,15 +22,6 @@ def rank_in(group: dist.ProcessGroup | None) -> int:
 def barrier(group: dist.ProcessGroup | None) -> None:
     if distributed(group):
         dist.barrier(group=group)
-
-
-def all_ok(ok: bool, group: dist.ProcessGroup | None) -> bool:
-    """True when every process of `group` is ok: a verdict reached by one is shared, never a hang."""
-    if not distributed(group):
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
 
 
 @contextlib.contextmanager

@@ -176,9 +176,10 @@ def main(options: argparse.Namespace) -> int:
         intra_latency = options.intra_latency * 1e-6
         if options.calibrate:
             from replicator.plan.calibrate import calibrate
+            from replicator.testing import run_replicas
 
             try:
-                measured = calibrate()
+                measured = calibrate(run_replicas)
             except (AssertionError, TimeoutError, RuntimeError, OSError) as error:
                 # ReplicaFailure is an AssertionError: a worker died or raised; say so in one line.
                 first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import struct
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any
 
 import numpy as np
 import torch

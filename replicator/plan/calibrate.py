@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["Calibration", "measure_matmul_flops", "measure_all_reduce", "fit_alpha_beta", "calibrate"]
+
+# Calls a function in N local processes and returns their results by rank (run_replicas).
+ProcessRunner = Callable[..., list[Any]]
 
 # From latency-bound to bandwidth-bound, small enough to finish in seconds on a laptop.
 DEFAULT_SIZES: tuple[int, ...] = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
@@ -65,16 +69,16 @@ def _all_reduce_worker(sizes: Sequence[int], repeats: int) -> list[tuple[int, li
     return results
 
 
-def measure_all_reduce(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, world_size: int = 2,
-                       timeout_s: float = 60.0) -> list[tuple[int, float]]:
+def measure_all_reduce(run: ProcessRunner, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7,
+                       world_size: int = 2, timeout_s: float = 60.0) -> list[tuple[int, float]]:
     """(bytes, seconds) of a loopback Gloo all-reduce among `world_size` local processes.
 
-    A repeat lasts as long as its slowest rank. We keep the fastest repeat: it is what
-    the machine can deliver, while slower ones measure whoever else shares the cores.
+    `run` starts the processes (replicator.testing.run_replicas): the planner itself starts
+    none, so that the core never depends on the rooms that spawn processes. A repeat lasts as
+    long as its slowest rank. We keep the fastest repeat: it is what the machine can deliver,
+    while slower ones measure whoever else shares the cores.
     """
-    from replicator.testing import run_replicas
-
-    per_rank = run_replicas(_all_reduce_worker, world_size, list(sizes), repeats, timeout_s=timeout_s)
+    per_rank = run(_all_reduce_worker, world_size, list(sizes), repeats, timeout_s=timeout_s)
     samples = []
     for i, (nbytes, _) in enumerate(per_rank[0]):
         slowest = [max(rank[i][1][r] for rank in per_rank) for r in range(repeats)]
@@ -114,10 +118,10 @@ def fit_alpha_beta(samples: Sequence[tuple[int, float]], world_size: int = 2) ->
     return alpha, beta
 
 
-def calibrate(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, world_size: int = 2,
+def calibrate(run: ProcessRunner, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, world_size: int = 2,
               matmul_size: int = 512, timeout_s: float = 60.0) -> Calibration:
     """Measure matmul FLOP/s here and fit α, β to a loopback all-reduce among `world_size` processes."""
     flops = measure_matmul_flops(matmul_size)
-    samples = measure_all_reduce(sizes, repeats, world_size, timeout_s)
+    samples = measure_all_reduce(run, sizes, repeats, world_size, timeout_s)
     alpha, beta = fit_alpha_beta(samples, world_size)
     return Calibration(flops, alpha, beta, world_size, tuple(samples))

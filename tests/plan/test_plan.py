@@ -41,6 +41,7 @@ from replicator.plan.step import (
     overlap,
     step_time,
 )
+from replicator.testing import run_replicas
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ALPHA, BETA, SIZE = 1e-5, 1e9, 1e6
@@ -294,7 +295,8 @@ def test_alpha_beta_fit_recovers_the_ring_parameters() -> None:
 @pytest.mark.timeout(60)
 def test_calibrate_measures_this_machine_quickly() -> None:
     # Two real processes over Gloo on loopback; sizes kept small so this takes a few seconds.
-    measured = calibrate(sizes=(4 << 10, 256 << 10, 2 << 20), repeats=3, matmul_size=256, timeout_s=45)
+    measured = calibrate(run_replicas, sizes=(4 << 10, 256 << 10, 2 << 20), repeats=3, matmul_size=256,
+                         timeout_s=45)
     assert measured.matmul_flops > 0 and measured.beta > 0 and measured.alpha >= 0
     assert [size for size, _ in measured.samples] == [4 << 10, 256 << 10, 2 << 20]
 

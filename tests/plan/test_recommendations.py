@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from replicator.plan.cli import add_arguments, main
 
 import replicator as rp
 from replicator.plan import presets
-from replicator.plan.cli import add_arguments, main
 from replicator.plan.planner import (
     REDUCERS,
     Cluster,

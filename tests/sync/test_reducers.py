@@ -31,7 +31,6 @@ TRAIN_STEPS = 60
 
 # -- names and layouts, in this process ---------------------------------------------------
 def test_names_parse() -> None:
-    assert parse_reducer("multilevel:4x2x2") == parse_reducer("hierarchical:4x2x2")
     assert parse_reducer("hierarchical:4x2x2").levels == (4, 2, 2)
     spec = parse_reducer("powersgd:2+noef@hierarchical:2x2")
     assert (spec.compressor, spec.rank, spec.error_feedback, spec.levels) == ("powersgd", 2, False, (2, 2))
@@ -65,17 +64,8 @@ def test_levels_follow_nodes_and_stages() -> None:
     assert level_groups(members, (2, 2, 2), 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
-def test_one_process_gets_the_flat_reducer_and_old_reducers_still_fit() -> None:
+def test_one_process_gets_the_flat_reducer_and_objects_need_reduce() -> None:
     assert isinstance(make_reducer("powersgd:4"), FlatReducer)
-
-    class TwoArguments:
-        name = "mine"
-
-        def reduce(self, buffer: torch.Tensor, group: Any) -> Any:
-            return ("called", buffer.numel())
-
-    adapted = make_reducer(TwoArguments())  # type: ignore[arg-type]
-    assert adapted.name == "mine" and adapted.reduce(torch.zeros(3), None, None) == ("called", 3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="reduce"):
         make_reducer(object())  # type: ignore[arg-type]
 
@@ -262,7 +252,7 @@ def _two_nodes_of_two() -> dict[str, Any]:
     # 40-byte chunks: every size above crosses the levels in several overlapping chunks.
     chunked = ("chunked", lambda: SummationReducer(HierarchicalSum(groups, (2, 2), 60.0, chunk_bytes=40)))
     shm_chunked = ("shm chunked", lambda: SummationReducer(SharedMemorySum(groups, 60.0, per_node=2, chunk_bytes=40)))
-    out: dict[str, Any] = {"lossless": _lossless(groups, ["hierarchical", "multilevel:2x1x2", "hierarchical:1x2x2",
+    out: dict[str, Any] = {"lossless": _lossless(groups, ["hierarchical", "hierarchical:2x1x2", "hierarchical:1x2x2",
                                                           "auto", chunked, shm_chunked])}
     errors = {}
     for spec in ["hierarchical:4x1", "hierarchical:2x3", "shm"]:
@@ -344,13 +334,13 @@ def _check_lossless(results: list[dict[str, Any]], key: str = "lossless", stages
 def test_hierarchical_equals_flat_on_two_nodes_of_two(two_by_two: list[dict[str, Any]]) -> None:
     _check_lossless(two_by_two)
     names = {spec: r["name"] for spec, r in two_by_two[0]["lossless"].items()}
-    assert names == {"hierarchical": "hierarchical:2x2", "multilevel:2x1x2": "hierarchical:2x1x2",
+    assert names == {"hierarchical": "hierarchical:2x2", "hierarchical:2x1x2": "hierarchical:2x1x2",
                      "hierarchical:1x2x2": "hierarchical:1x2x2", "auto": "hierarchical:2x2",
                      "chunked": "hierarchical:2x2", "shm chunked": "hierarchical:2x2"}
     # On host memory a hierarchy whose inner level is the node sums inside it through shared memory.
     summations = {spec: r["summation"] for spec, r in two_by_two[0]["lossless"].items()}
     assert summations == {"hierarchical": "SharedMemorySum", "auto": "SharedMemorySum",
-                          "multilevel:2x1x2": "HierarchicalSum", "hierarchical:1x2x2": "HierarchicalSum",
+                          "hierarchical:2x1x2": "HierarchicalSum", "hierarchical:1x2x2": "HierarchicalSum",
                           "chunked": "HierarchicalSum", "shm chunked": "SharedMemorySum"}
 
 

@@ -8,7 +8,6 @@ The shape of torch's `ddp_comm_hooks`: this registry on top, one module per redu
 
 from __future__ import annotations
 
-import inspect
 import re
 from dataclasses import dataclass
 
@@ -16,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from replicator import _env
-from replicator.sync.bucket import Bucket, PendingReduction, Reducer
+from replicator.comm.decision import everyone_agrees
+from replicator.sync.bucket import PendingReduction, Reducer
 from replicator.sync.reducers._summation import Summation
 from replicator.sync.reducers._worker import SummationReducer
 from replicator.sync.reducers.compression import CastReducer
@@ -31,8 +31,8 @@ __all__ = ["Reducer", "PendingReduction", "FlatReducer", "make_reducer", "parse_
 
 REDUCER_NAMES = (
     "'flat', 'shm' (through shared memory, replicas on one node, CPU), 'auto' (on CPU: shm on one node, "
-    "hierarchical across nodes; on GPUs: flat), 'hierarchical', 'hierarchical:XxYxZ' (alias "
-    "'multilevel:XxYxZ'; level sizes innermost first, e.g. 4x2x2 = 4 per node x 2 nodes per rack x 2 racks), "
+    "hierarchical across nodes; on GPUs: flat), 'hierarchical', 'hierarchical:XxYxZ' (level sizes "
+    "innermost first, e.g. 4x2x2 = 4 per node x 2 nodes per rack x 2 racks), "
     "'fp16', 'bf16' (add '+ef' for error feedback), 'powersgd:R' (rank R; '+noef' turns its error feedback "
     "off); a compressed one may name its topology after '@', e.g. 'fp16+ef@hierarchical' or 'powersgd:4@auto'"
 )
@@ -49,7 +49,7 @@ class ReducerSpec:
     error_feedback: bool = False
 
 
-_LEVELS = re.compile(r"(?:hierarchical|multilevel):(\d+(?:x\d+)*)")
+_LEVELS = re.compile(r"hierarchical:(\d+(?:x\d+)*)")
 
 
 def parse_reducer(spec: str) -> ReducerSpec:
@@ -111,8 +111,8 @@ def make_reducer(spec: str | Reducer, groups: ProcessGroups | None = None, *, ti
     if not isinstance(spec, str):
         if not callable(getattr(spec, "reduce", None)):
             raise TypeError(
-                f"a reducer is a name or an object with a reduce(buffer, group[, bucket]) method, got {spec!r}")
-        return spec if _takes_bucket(spec) else _WithoutBucket(spec)
+                f"a reducer is a name or an object with a reduce(buffer, group, bucket) method, got {spec!r}")
+        return spec
     parsed = parse_reducer(spec)
     if groups is None:
         if dist.is_initialized() and (parsed.topology != "flat" or parsed.compressor is not None):
@@ -176,28 +176,4 @@ def _every_process_shares_host_memory(groups: ProcessGroups, device: torch.devic
     """Whether every process can use /dev/shm for host gradients, agreed by all (on the Gloo control group)."""
     if device.type != "cpu":  # the same device type on every rank: no one asks
         return False
-    usable = torch.tensor([int(host_memory_usable(device) is None)])
-    dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=groups.control)
-    return bool(usable.item())
-
-
-class _WithoutBucket:
-    """Adapts a user's reducer written against the two-argument `reduce(buffer, group)`."""
-
-    def __init__(self, reducer: object) -> None:
-        self.reducer = reducer
-        self.name = getattr(reducer, "name", type(reducer).__name__)
-
-    def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup,
-               bucket: Bucket | None = None) -> PendingReduction:
-        return self.reducer.reduce(buffer, group)  # type: ignore[attr-defined]
-
-
-def _takes_bucket(reducer: object) -> bool:
-    try:
-        inspect.signature(reducer.reduce).bind(None, None, None)  # type: ignore[attr-defined]
-    except TypeError:
-        return False
-    except ValueError:  # no signature to inspect (a builtin): trust the current protocol
-        return True
-    return True
+    return everyone_agrees(host_memory_usable(device) is None, groups.control)

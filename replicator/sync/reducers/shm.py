@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from replicator.comm.agreement import PendingAgreement
+from replicator.comm.decision import everyone_agrees
 from replicator.comm.local_link import LocalLink
 from replicator.errors import ReplicaMismatchError
 from replicator.sync.reducers._summation import create_groups
@@ -157,11 +158,10 @@ class SharedMemorySum:
                 sees_it = handle.read() == token.to_bytes(8, "little")
         except FileNotFoundError:
             sees_it = False
-        everyone = torch.tensor([int(sees_it)])
-        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=groups.control)  # the whole job decides together
+        everyone_sees_it = everyone_agrees(sees_it, groups.control)  # the whole job decides together
         if self.position == 0:
             os.unlink(probe)
-        if not everyone.item():
+        if not everyone_sees_it:
             raise RuntimeError(
                 f"replicas that the topology places on one node do not share {SHARED_MEMORY_DIR} (this process, "
                 f"rank {dist.get_rank()} with node peers {neighbours}, {'does' if sees_it else 'does not'} see its "
