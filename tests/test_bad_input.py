@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +13,6 @@ import replicator as rp
 from replicator.testing import ReplicaFailure, run_replicas
 
 # Errors must arrive within seconds; a hang would hit this.
-FAST = dict(timeout_s=60, env={"REPLICATOR_TIMEOUT": "30"})
 
 
 def tiny_setup():
@@ -93,9 +94,9 @@ def step_inside_no_sync() -> None:
         optimizer.step()
 
 
-def expect_everywhere(fn, kind: str, *fragments: str, replicas: int = 2) -> None:
+def expect_everywhere(run: Callable[..., Any], fn, kind: str, *fragments: str, replicas: int = 2) -> None:
     with pytest.raises(ReplicaFailure) as caught:
-        run_replicas(fn, replicas, **FAST)
+        run(fn, replicas, timeout_s=60, collective_timeout_s=30)
     errors = caught.value.errors
     assert [e.rank for e in errors] == list(range(replicas)), f"not every replica raised: {caught.value}"
     for error in errors:
@@ -104,41 +105,43 @@ def expect_everywhere(fn, kind: str, *fragments: str, replicas: int = 2) -> None
             assert fragment in error.message, f"{fragment!r} missing from: {error.message}"
 
 
-def test_collective_called_by_some_replicas_names_the_culprit() -> None:
-    expect_everywhere(collective_on_replica_zero_only, "ReplicaMismatchError",
+def test_collective_called_by_some_replicas_names_the_culprit(run_failing_fast: Callable[..., Any]) -> None:
+    expect_everywhere(run_failing_fast, collective_on_replica_zero_only, "ReplicaMismatchError",
                       "replica(s) 0: ctx.all_sum", "test_bad_input.py", "gradient sync")
 
 
-def test_optimizers_stepped_in_different_orders() -> None:
+def test_optimizers_stepped_in_different_orders(run_failing_fast: Callable[..., Any]) -> None:
     # Replica 0 opens optimizer 0's gradient sync while replica 1 opens optimizer 1's: both must
     # raise, naming both, before any bucket of one is summed with the other's.
-    expect_everywhere(optimizers_stepped_in_different_orders, "ReplicaMismatchError",
+    expect_everywhere(run_failing_fast, optimizers_stepped_in_different_orders, "ReplicaMismatchError",
                       "replica(s) 0: gradient sync of", "replica(s) 1: gradient sync of")
 
 
-def test_unreducible_output() -> None:
-    expect_everywhere(returns_a_string, "ReplicatorUsageError", "step_fn returned a str")
+def test_unreducible_output(run_failing_fast: Callable[..., Any]) -> None:
+    expect_everywhere(run_failing_fast, returns_a_string, "ReplicatorUsageError", "step_fn returned a str")
 
 
-def test_indivisible_global_batch() -> None:
-    expect_everywhere(indivisible_global_batch, "ReplicatorUsageError", "global batch size 10", "multiple of 4",
-                      replicas=4)
+def test_indivisible_global_batch(run_failing_fast: Callable[..., Any]) -> None:
+    expect_everywhere(run_failing_fast, indivisible_global_batch, "ReplicatorUsageError", "global batch size 10",
+                      "multiple of 4", replicas=4)
 
 
-def test_unequal_batch_sizes() -> None:
-    expect_everywhere(unequal_batches, "ReplicaMismatchError", "replica 0: 4, replica 1: 3", "drop_last")
+def test_unequal_batch_sizes(run_failing_fast: Callable[..., Any]) -> None:
+    expect_everywhere(run_failing_fast, unequal_batches, "ReplicaMismatchError", "replica 0: 4, replica 1: 3",
+                      "drop_last")
 
 
-def test_model_on_wrong_device() -> None:
-    expect_everywhere(model_on_wrong_device, "ReplicatorUsageError", "Linear.weight is on meta", "repl.scope()")
+def test_model_on_wrong_device(run_failing_fast: Callable[..., Any]) -> None:
+    expect_everywhere(run_failing_fast, model_on_wrong_device, "ReplicatorUsageError", "Linear.weight is on meta",
+                      "repl.scope()")
 
 
-def test_wrap_optimizer_outside_scope() -> None:
-    expect_everywhere(wrap_outside_scope, "ReplicatorUsageError", "outside repl.scope()")
+def test_wrap_optimizer_outside_scope(run_failing_fast: Callable[..., Any]) -> None:
+    expect_everywhere(run_failing_fast, wrap_outside_scope, "ReplicatorUsageError", "outside repl.scope()")
 
 
-def test_step_inside_no_sync() -> None:
-    expect_everywhere(step_inside_no_sync, "ReplicatorUsageError", "inside repl.no_sync()")
+def test_step_inside_no_sync(run_failing_fast: Callable[..., Any]) -> None:
+    expect_everywhere(run_failing_fast, step_inside_no_sync, "ReplicatorUsageError", "inside repl.no_sync()")
 
 
 def one_replica_stalls() -> None:

@@ -1,8 +1,9 @@
-"""Numerical health: NaN losses raise or skip consistently, diverged parameters are caught, debug trails name stragglers."""
+"""Numerical health: NaN losses raise or skip alike everywhere, diverged parameters are caught, trails name stragglers."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,7 +16,6 @@ from replicator.testing import ReplicaFailure, run_replicas
 
 STEPS = 4
 BAD_STEP = 2
-FAST = dict(timeout_s=90, env={"REPLICATOR_TIMEOUT": "20"})
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,7 +32,8 @@ def _poisoned(step: int, rows: slice, bad: int = BAD_STEP) -> tuple[torch.Tensor
     return batch[rows], y[step][rows]
 
 
-def _train(nonfinite: str, bad: int = BAD_STEP, as_if_on_a_gpu: bool = False, ran: list[int] | None = None) -> dict[str, Any]:
+def _train(nonfinite: str, bad: int = BAD_STEP, as_if_on_a_gpu: bool = False,
+           ran: list[int] | None = None) -> dict[str, Any]:
     if as_if_on_a_gpu:  # every output judged a step late, as outputs still on their way from a GPU are
         health.OutputCheck.waits_for_a_device = property(lambda self: True)  # type: ignore[assignment]
     repl = rp.Replicator(nonfinite=nonfinite)
@@ -76,9 +77,9 @@ def _single_process_skipping(bad: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_a_nan_loss_raises_on_every_replica_naming_the_replica_and_step() -> None:
+def test_a_nan_loss_raises_on_every_replica_naming_the_replica_and_step(run_failing_fast: Callable[..., Any]) -> None:
     with pytest.raises(ReplicaFailure) as caught:
-        run_replicas(_train, 2, "raise", **FAST)
+        run_failing_fast(_train, 2, "raise")
     errors = caught.value.errors
     assert [e.rank for e in errors] == [0, 1]
     for error in errors:
@@ -88,9 +89,9 @@ def test_a_nan_loss_raises_on_every_replica_naming_the_replica_and_step() -> Non
 
 @pytest.mark.parametrize("bad", [BAD_STEP, STEPS - 1])
 def test_an_output_judged_a_step_late_still_raises_on_every_replica_naming_its_step(
-        bad: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        run_failing_fast: Callable[..., Any], bad: int, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ReplicaFailure) as caught:
-        run_replicas(_train, 2, "raise", bad, True, **FAST)
+        run_failing_fast(_train, 2, "raise", bad, True)
     errors = caught.value.errors
     assert [e.rank for e in errors] == [0, 1]
     for error in errors:
@@ -104,8 +105,8 @@ def test_an_output_judged_a_step_late_still_raises_on_every_replica_naming_its_s
     assert ran == list(range(min(bad + 2, STEPS)))
 
 
-def test_skip_drops_the_update_on_every_replica_like_one_process_would() -> None:
-    results = run_replicas(_train, 2, "skip", **FAST)
+def test_skip_drops_the_update_on_every_replica_like_one_process_would(run_failing_fast: Callable[..., Any]) -> None:
+    results = run_failing_fast(_train, 2, "skip")
     torch.manual_seed(0)
     expected = _single_process_skipping(BAD_STEP)
     for result in results:
@@ -124,7 +125,7 @@ def _diverged_after_scope() -> None:
     repl = rp.Replicator()
     with repl.scope():
         model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
-        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     if repl.replica_id == 2:
         with torch.no_grad():
             model[1].bias.add_(1.0)  # e.g. a checkpoint loaded on one replica only
@@ -132,9 +133,9 @@ def _diverged_after_scope() -> None:
         pass
 
 
-def test_replicas_with_different_parameters_are_refused() -> None:
+def test_replicas_with_different_parameters_are_refused(run_failing_fast: Callable[..., Any]) -> None:
     with pytest.raises(ReplicaFailure) as caught:
-        run_replicas(_diverged_after_scope, 3, **FAST)
+        run_failing_fast(_diverged_after_scope, 3)
     assert [e.rank for e in caught.value.errors] == [0, 1, 2]
     for error in caught.value.errors:
         assert error.kind == "ReplicaMismatchError"
@@ -164,7 +165,8 @@ def _stalls_after_a_collective() -> None:
 def test_debug_mode_names_where_the_straggler_last_was() -> None:
     started = time.monotonic()
     with pytest.raises(ReplicaFailure) as caught:
-        run_replicas(_stalls_after_a_collective, 2, timeout_s=60, env={"REPLICATOR_TIMEOUT": "3", "REPLICATOR_DEBUG": "1"})
+        run_replicas(_stalls_after_a_collective, 2, timeout_s=60,
+                     env={"REPLICATOR_TIMEOUT": "3", "REPLICATOR_DEBUG": "1"})
     first = next(e for e in caught.value.errors if e.rank == 0)
     assert "rank(s) [1] never arrived" in first.message, first.message
     assert "rank 1's last collective (debug trail)" in first.message and "ctx.all_mean" in first.message, first.message

@@ -1,0 +1,26 @@
+"""Fixtures for the multi-process tests: real processes joined by Gloo on 127.0.0.1, never mocks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from replicator.testing import run_replicas
+
+
+@pytest.fixture
+def run_failing_fast() -> Callable[..., Any]:
+    """run_replicas for tests that expect the replicas to fail: collectives give up after a few seconds.
+
+    `timeout_s` bounds the whole run; `collective_timeout_s` is the replicas' REPLICATOR_TIMEOUT,
+    short so that a hang the library failed to turn into an error ends the test quickly.
+    """
+
+    def run(fn: Callable[..., Any], replicas: int, *args: Any, timeout_s: float = 90.0,
+            collective_timeout_s: float = 20.0) -> Any:
+        return run_replicas(fn, replicas, *args, timeout_s=timeout_s,
+                            env={"REPLICATOR_TIMEOUT": f"{collective_timeout_s:g}"})
+
+    return run
