@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from replicator.pipeline.checkpointing import is_recomputing
+from replicator.pipeline.recompute import is_recomputing
 
 __all__ = ["DeferredBatchNorm", "convert_deferred_batchnorm", "commit_deferred_batchnorm"]
 
@@ -68,11 +68,6 @@ class DeferredBatchNorm(_BatchNorm):
     def discard(self) -> None:
         """Forget the micro-batches seen since the last commit (after a failed step)."""
         self._pending.clear()
-
-    @classmethod
-    def convert(cls, module: nn.Module) -> nn.Module:
-        """Replace every BatchNorm1d/2d/3d in `module` by a DeferredBatchNorm with the same state."""
-        return convert_deferred_batchnorm(module)
 
 
 def convert_deferred_batchnorm(module: nn.Module) -> nn.Module:

@@ -1,37 +1,40 @@
-"""Re-materialisation: a stage keeps only its input per micro-batch and recomputes its forward in backward.
+"""Activation recomputation: a stage keeps only its input per micro-batch and recomputes its forward in backward.
 
-Built on torch.utils.checkpoint (non-reentrant). While a forward is being recomputed,
-`is_recomputing()` is true and batch norms in training mode update throwaway copies of
-their running statistics, so the statistics are never counted twice.
+GPipe calls this re-materialisation; the keyword is `recompute=` so that it is not mistaken
+for saved-state checkpoints (replicator.checkpoint). Built on torch.utils.checkpoint
+(non-reentrant). While a forward is being recomputed, `is_recomputing()` is true and batch
+norms in training mode update throwaway copies of their running statistics, so the
+statistics are never counted twice.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["CHECKPOINT_MODES", "check_mode", "should_checkpoint", "is_recomputing", "recomputing", "run_forward"]
+__all__ = ["RECOMPUTE_MODES", "check_mode", "should_recompute", "is_recomputing", "recomputing", "run_forward"]
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
+RECOMPUTE_MODES = ("always", "except_last", "never")
 
 _state = threading.local()
 
 
 def check_mode(mode: str) -> str:
-    """Return `mode` if it is a re-materialisation mode, else raise a ValueError naming the choices."""
-    if mode not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {mode!r}")
+    """Return `mode` if it is a recomputation mode, else raise a ValueError naming the choices."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
     return mode
 
 
-def should_checkpoint(mode: str, microbatch: int, num_microbatches: int) -> bool:
-    """Whether a micro-batch's forward is re-materialised under `mode`.
+def should_recompute(mode: str, microbatch: int, num_microbatches: int) -> bool:
+    """Whether a micro-batch's forward is recomputed in backward under `mode`.
 
     "except_last" keeps the last micro-batch's activations: its backward follows its
     forward soonest (at once on the last stage), so recomputing it would buy no memory.
@@ -44,7 +47,7 @@ def should_checkpoint(mode: str, microbatch: int, num_microbatches: int) -> bool
 
 
 def is_recomputing() -> bool:
-    """True while a checkpointed forward is being recomputed during backward (in this thread)."""
+    """True while a forward is being recomputed during backward (in this thread)."""
     return getattr(_state, "depth", 0) > 0
 
 
@@ -57,8 +60,8 @@ def recomputing(module: nn.Module) -> Iterator[None]:
     frozen: list[tuple[_BatchNorm, dict[str, torch.Tensor]]] = []
     for bn in module.modules():
         if isinstance(bn, _BatchNorm) and bn.training and bn.track_running_stats:
-            originals = {n: bn._buffers[n] for n in names if bn._buffers.get(n) is not None}
-            frozen.append((bn, originals))  # type: ignore[arg-type]
+            originals = {n: buffer for n in names if (buffer := bn._buffers.get(n)) is not None}
+            frozen.append((bn, originals))
     _state.depth = getattr(_state, "depth", 0) + 1
     try:
         for bn, originals in frozen:
@@ -71,9 +74,9 @@ def recomputing(module: nn.Module) -> Iterator[None]:
         _state.depth -= 1
 
 
-def run_forward(module: nn.Module, inputs: Any, rematerialize: bool) -> Any:
+def run_forward(module: nn.Module, inputs: Any, recompute: bool) -> Any:
     """`module(inputs)`, optionally keeping only `inputs` and recomputing the rest in backward."""
-    if not rematerialize or not torch.is_grad_enabled():
+    if not recompute or not torch.is_grad_enabled():
         return module(inputs)
     return checkpoint(
         module,
