@@ -59,7 +59,8 @@ class DeferredBatchNorm(_BatchNorm):
         m2 = (m2s + counts[:, None] * (means - mean) ** 2).sum(0)
         unbiased = m2 / (total - 1).clamp_min(1)
         with torch.no_grad():
-            assert self.num_batches_tracked is not None and self.running_mean is not None and self.running_var is not None
+            assert self.num_batches_tracked is not None
+            assert self.running_mean is not None and self.running_var is not None
             self.num_batches_tracked.add_(1)
             momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
             self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype), alpha=momentum)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,9 +20,18 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["RECOMPUTE_MODES", "check_mode", "should_recompute", "is_recomputing", "recomputing", "run_forward"]
+__all__ = [
+    "RECOMPUTE_MODES",
+    "check_mode",
+    "resolve_recompute",
+    "should_recompute",
+    "is_recomputing",
+    "recomputing",
+    "run_forward",
+]
 
 RECOMPUTE_MODES = ("always", "except_last", "never")
+_DEFAULT_MODE = "except_last"  # the default of recompute= on build_pipeline and PipelineStage
 
 _state = threading.local()
 
@@ -31,6 +41,22 @@ def check_mode(mode: str) -> str:
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
     return mode
+
+
+def resolve_recompute(recompute: str, deprecated_checkpoint: str | None) -> str:
+    """The mode from `recompute=`, or from its old name `checkpoint=` with a DeprecationWarning."""
+    if deprecated_checkpoint is None:
+        return check_mode(recompute)
+    warnings.warn(
+        "checkpoint= of a pipeline stage means activation recomputation and is deprecated: pass recompute= (same "
+        "modes); saved-state checkpoints are replicator.checkpoint",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if recompute not in (_DEFAULT_MODE, deprecated_checkpoint):
+        raise ValueError(f"recompute={recompute!r} and checkpoint={deprecated_checkpoint!r} disagree; pass recompute= "
+                         "alone")
+    return check_mode(deprecated_checkpoint)
 
 
 def should_recompute(mode: str, microbatch: int, num_microbatches: int) -> bool:

@@ -10,7 +10,8 @@ import contextlib
 import itertools
 import json
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -18,11 +19,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from replicator._tree import tensors as iter_tensors
 from replicator.comm import p2p
 from replicator.pipeline import PipelineError, build_pipeline
 from replicator.pipeline.build import agreed_balance
-from replicator.pipeline.microbatch import iter_tensors
-from replicator.pipeline.timeline import bubble_fraction, plot_gantt, write_chrome_trace
+from replicator.pipeline.timeline import measured_bubble, plot_gantt, write_chrome_trace
 from replicator.testing import run_replicas
 from replicator.topology import build_process_groups, discover
 
@@ -140,7 +141,7 @@ def equivalence_worker(num_stages: int) -> dict[str, Any]:
         pipe = build_pipeline(
             make_layers(), stage_id=stage_id, num_stages=num_stages, balance=BALANCE[num_stages],
             stage_ranks=groups.stage_ranks, stage_group=groups.stage, chunks=chunks, schedule=schedule,
-            checkpoint=checkpoint,
+            recompute=checkpoint,
         )
         optimizer = make_optimizer(optimizer_name, pipe.parameters())
         losses = []
@@ -362,7 +363,7 @@ def batchnorm_checks(groups: Any, stage_id: int) -> dict[str, float]:
         for schedule, checkpoint in itertools.product(SCHEDULE_NAMES, CHECKPOINTS):
             pipe = build_pipeline(make_bn_layers(), stage_id=stage_id, num_stages=2, balance=[3, 4],
                                   stage_ranks=groups.stage_ranks, stage_group=groups.stage, chunks=chunks,
-                                  schedule=schedule, checkpoint=checkpoint, deferred_batchnorm=deferred)
+                                  schedule=schedule, recompute=checkpoint, deferred_batchnorm=deferred)
             optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
             for step, (x, y) in enumerate(batches):
                 optimizer.zero_grad()
@@ -398,7 +399,7 @@ def timeline_checks(groups: Any, stage_id: int, trace_dir: str) -> dict[str, Any
         "count": len(events),
         "stages": sorted({e.stage for e in events}),
         "ordered": all(e.end >= e.start for e in events),
-        "bubble": bubble_fraction(events),
+        "bubble": measured_bubble(events),
     }
 
 
@@ -586,7 +587,7 @@ def test_single_stage_pipeline_without_distributed() -> None:
             quiet_backwards.append(1)
             yield
 
-        pipe = build_pipeline(make_layers(), stage_id=0, num_stages=1, chunks=4, schedule="1f1b", checkpoint="always",
+        pipe = build_pipeline(make_layers(), stage_id=0, num_stages=1, chunks=4, schedule="1f1b", recompute="always",
                               no_sync=no_sync)
         optimizer = make_optimizer("sgd", pipe.parameters())
         for (x, y), expected in zip(batches, reference_losses):
@@ -604,18 +605,18 @@ def test_single_stage_pipeline_without_distributed() -> None:
 
 
 def test_receives_prove_which_sends_were_delivered() -> None:
+    from replicator.pipeline.links import delivered_counts
     from replicator.pipeline.schedule import make_schedule
-    from replicator.pipeline.stage import _delivered_counts
 
     gpipe = make_schedule("gpipe", 2, 4)
-    stage0 = _delivered_counts(gpipe, 0)
+    stage0 = delivered_counts(gpipe, 0)
     # Stage 1 sends its first gradient after receiving all 4 activations: stage 0's copies of
     # them can go before its backwards start.
     assert [c for a, c in zip(gpipe.stages[0], stage0) if a.op.is_recv] == [4, 4, 4, 4]
     # Stage 1 hears back from stage 0 only through activations, sent before any gradient.
-    assert set(_delivered_counts(gpipe, 1)) == {0}
+    assert set(delivered_counts(gpipe, 1)) == {0}
     one_f_one_b = make_schedule("1f1b", 3, 4)
-    middle = [(str(a), c) for a, c in zip(one_f_one_b.stages[1], _delivered_counts(one_f_one_b, 1)) if a.op.is_recv]
+    middle = [(str(a), c) for a, c in zip(one_f_one_b.stages[1], delivered_counts(one_f_one_b, 1)) if a.op.is_recv]
     assert all(c <= 4 for _, c in middle) and any(c > 0 for a, c in middle if a.startswith("RG"))
 
 
