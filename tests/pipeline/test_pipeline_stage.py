@@ -7,6 +7,7 @@ fixtures launch once per pipeline shape and the tests read their results.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -86,7 +87,8 @@ class _RaiseInBackward(torch.autograd.Function):
 
 def make_layers() -> list[nn.Module]:
     torch.manual_seed(0)
-    return [nn.Linear(6, 16), nn.Tanh(), Fork(), ToDict(), Switch(), Merge(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)]
+    return [nn.Linear(6, 16), nn.Tanh(), Fork(), ToDict(), Switch(), Merge(), nn.Linear(16, 16), nn.ReLU(),
+            nn.Linear(16, 3)]
 
 
 # Cut after Fork (a tuple with an int tensor travels) and after Switch (a dict travels);
@@ -106,8 +108,12 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=0.01)
 
 
-def reference_training(layers: list[nn.Module], optimizer_name: str, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                       loss_fn: Callable[..., torch.Tensor] = F.cross_entropy) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference_training(
+    layers: list[nn.Module],
+    optimizer_name: str,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
+) -> tuple[dict[str, torch.Tensor], list[float]]:
     model = nn.Sequential(*layers)
     optimizer = make_optimizer(optimizer_name, model.parameters())
     losses = []
@@ -137,7 +143,8 @@ def equivalence_worker(num_stages: int) -> dict[str, Any]:
     batches = make_batches()
     references = {name: reference_training(make_layers(), name, batches) for name in OPTIMIZERS}
     results: dict[str, Any] = {}
-    for chunks, schedule, checkpoint, optimizer_name in itertools.product(CHUNKS, SCHEDULE_NAMES, CHECKPOINTS, OPTIMIZERS):
+    configurations = itertools.product(CHUNKS, SCHEDULE_NAMES, CHECKPOINTS, OPTIMIZERS)
+    for chunks, schedule, checkpoint, optimizer_name in configurations:
         pipe = build_pipeline(
             make_layers(), stage_id=stage_id, num_stages=num_stages, balance=BALANCE[num_stages],
             stage_ranks=groups.stage_ranks, stage_group=groups.stage, chunks=chunks, schedule=schedule,
@@ -289,18 +296,21 @@ def error_checks(groups: Any, stage_id: int) -> dict[str, Any]:
                               stage_ranks=groups.stage_ranks, stage_group=groups.stage, chunks=4, schedule=schedule)
         x, y = make_batches()[0]
         cases: dict[str, Callable[[], Any]] = {
-            "small_batch": lambda: pipe.train_step(x[:2], y[:2], F.cross_entropy),
-            "non_scalar_loss": lambda: pipe.train_step(x, y, lambda o, t: F.cross_entropy(o, t, reduction="none")),
-            "target_mismatch": lambda: pipe.train_step(x, y[:10], F.cross_entropy),
-            "no_loss_fn": lambda: pipe.train_step(x, y, None),
-            "eval_small_batch": lambda: pipe.eval_step(x[:3]),
+            "small_batch": functools.partial(pipe.train_step, x[:2], y[:2], F.cross_entropy),
+            "non_scalar_loss": functools.partial(pipe.train_step, x, y,
+                                                 lambda o, t: F.cross_entropy(o, t, reduction="none")),
+            "target_mismatch": functools.partial(pipe.train_step, x, y[:10], F.cross_entropy),
+            "no_loss_fn": functools.partial(pipe.train_step, x, y, None),
+            "eval_small_batch": functools.partial(pipe.eval_step, x[:3]),
         }
         for name, run in cases.items():
             outcomes[f"{schedule} {name}"] = _expect_failure(run)
         for mode in ["string", "raise", "raise_in_backward"]:
             Switch.mode = mode
             try:
-                outcomes[f"{schedule} {mode}"] = _expect_failure(lambda: pipe.train_step(x, y, F.cross_entropy))
+                outcomes[f"{schedule} {mode}"] = _expect_failure(
+                    functools.partial(pipe.train_step, x, y, F.cross_entropy)
+                )
             finally:
                 Switch.mode = "ok"
         # After all those failures the pipeline still works and agrees with one process.
@@ -321,7 +331,9 @@ def make_bn_layers() -> list[nn.Module]:
             nn.Linear(16, 3)]
 
 
-def microbatched_reference(chunks: int, batches: list[tuple[torch.Tensor, torch.Tensor]], deferred: bool) -> dict[str, torch.Tensor]:
+def microbatched_reference(
+    chunks: int, batches: list[tuple[torch.Tensor, torch.Tensor]], deferred: bool
+) -> dict[str, torch.Tensor]:
     """One process, plain nn.BatchNorm, a loop over micro-batches; deferred statistics computed by hand."""
     model = nn.Sequential(*make_bn_layers())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -330,7 +342,8 @@ def microbatched_reference(chunks: int, batches: list[tuple[torch.Tensor, torch.
     handles = [bn.register_forward_pre_hook(lambda m, args: seen[id(m)].append(args[0].detach())) for bn in bns]
     for x, y in batches:
         optimizer.zero_grad()
-        saved = {id(bn): (bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone()) for bn in bns}
+        saved = {id(bn): (bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone())
+                 for bn in bns}
         for bn in bns:
             seen[id(bn)].clear()
         for xs, ys in zip(torch.tensor_split(x, chunks), torch.tensor_split(y, chunks)):
@@ -521,7 +534,9 @@ def test_batchnorm_statistics_are_never_counted_twice(two_stages: list[dict[str,
     for rank, result in enumerate(two_stages):
         bad = {k: v for k, v in result["batchnorm"].items() if v > ATOL}
         assert not bad, f"rank {rank}: {bad}"
-        assert len(result["batchnorm"]) == 2 * 2 * len(SCHEDULE_NAMES) * len(CHECKPOINTS) + len(SCHEDULE_NAMES) * len(CHECKPOINTS)
+        assert len(result["batchnorm"]) == (
+            2 * 2 * len(SCHEDULE_NAMES) * len(CHECKPOINTS) + len(SCHEDULE_NAMES) * len(CHECKPOINTS)
+        )
 
 
 def test_timeline_exports(two_stages: list[dict[str, Any]], trace_dir: str) -> None:
