@@ -58,8 +58,7 @@ from torch import nn
 
 import replicator as rp
 from replicator.pipeline import build_pipeline
-from replicator.pipeline.schedule import bubble_fraction as simulated_bubble
-from replicator.pipeline.schedule import gpipe, timed_simulation
+from replicator.pipeline.schedule import gpipe, simulated_bubble, timed_simulation
 from replicator.pipeline.timeline import Event
 from replicator.testing import run_replicas
 
@@ -202,7 +201,7 @@ def first_step_sanity(repl: rp.Replicator, config: Config, batch: Batch) -> dict
     mine = stage_slice(config, repl.stage_id)
     pipe = build_pipeline(
         make_layers(config), stage_id=repl.stage_id, num_stages=STAGES, balance=config.balance,
-        stage_ranks=repl.groups.stage_ranks, stage_group=repl.groups.stage, chunks=config.chunks, checkpoint="never",
+        stage_ranks=repl.groups.stage_ranks, stage_group=repl.groups.stage, chunks=config.chunks, recompute="never",
     )
     loss = float(pipe.train_step(batch[0], batch[1], F.cross_entropy))
     ours = [p.grad.clone() for p in pipe.parameters()]
@@ -280,7 +279,7 @@ def memory_job(config: Config, case: str) -> dict[str, float]:
         pipe = build_pipeline(
             make_layers(config), stage_id=repl.stage_id, num_stages=STAGES, balance=config.balance,
             stage_ranks=repl.groups.stage_ranks, stage_group=repl.groups.stage, chunks=config.chunks,
-            checkpoint=case.split("=")[1], record=False,
+            recompute=case.split("=")[1], record=False,
         )
         module = pipe.module
 
@@ -323,7 +322,7 @@ def two_process_job(config: Config) -> dict[str, Any]:
     contenders = [replicator_contender(pipe, optimizer, 'replicator, checkpoint="never"', timed_steps)]
     always = build_pipeline(
         make_layers(config), stage_id=repl.stage_id, num_stages=STAGES, balance=config.balance,
-        stage_ranks=repl.groups.stage_ranks, stage_group=repl.groups.stage, chunks=config.chunks, checkpoint="always",
+        stage_ranks=repl.groups.stage_ranks, stage_group=repl.groups.stage, chunks=config.chunks, recompute="always",
         record=False,
     )
     contenders.append(

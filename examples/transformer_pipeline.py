@@ -1,6 +1,6 @@
 """A character-level GPT on Python's own documentation, cut into 2 pipeline stages (GPipe) and replicated twice.
 
-    replicator launch -n 4 examples/transformer_pipeline.py                  # 2 stages x 2 replicas, a minute or two on 2 cores
+    replicator launch -n 4 examples/transformer_pipeline.py                  # 2 stages x 2 replicas, a minute or two
     replicator launch -n 4 examples/transformer_pipeline.py --steps 3000 --n-layer 8 --n-embd 256 --block-size 128
     replicator launch -n 4 examples/transformer_pipeline.py --steps 20 --trace runs/trace   # Chrome trace + Gantt PNG
     replicator launch -n 2 examples/transformer_pipeline.py --stages 1       # data parallelism alone
@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
         losses.append(float(loss))
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             elapsed = time.perf_counter() - started
-            log(f"step {step + 1:5d} | loss {float(loss):.4f} | {tokens_per_step * (step + 1 - since) / elapsed:,.0f} tokens/s")
+            rate = tokens_per_step * (step + 1 - since) / elapsed
+            log(f"step {step + 1:5d} | loss {float(loss):.4f} | {rate:,.0f} tokens/s")
             started, since = time.perf_counter(), step + 1
         if args.trace and step + 1 == args.steps:
             # Before evaluating: eval_step records its own (forward-only) timeline.

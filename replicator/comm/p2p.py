@@ -77,7 +77,9 @@ class Message:
         return self.error is not None
 
 
-def encode_structure(value: Any, path: str = "output", allow_none: bool = False) -> tuple[list[int], list[torch.Tensor]]:
+def encode_structure(
+    value: Any, path: str = "output", allow_none: bool = False
+) -> tuple[list[int], list[torch.Tensor]]:
     """Header codes describing `value` and its tensors in order. Raises StructureError on anything else."""
     codes: list[int] = []
     tensors: list[torch.Tensor] = []
@@ -211,7 +213,17 @@ def _tensor_at(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: tup
     to one received tensor cannot invalidate what autograd saved of another one.
     """
     tensor = torch.empty(0, dtype=dtype, device=buffer.device)
-    return tensor.set_(buffer.untyped_storage(), offset // _itemsize(dtype), shape)
+    return tensor.set_(buffer.untyped_storage(), offset // _itemsize(dtype), shape, _contiguous_strides(shape))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides torch gives a contiguous tensor of `shape` (an empty dimension counts as 1)."""
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _float_bits(value: float) -> int:
@@ -318,7 +330,7 @@ class Link:
         """
         first = self._first_bytes(key)
         buffer = torch.empty(first, dtype=torch.uint8, device=self.device)
-        dist.irecv(buffer, src=self.peer, group=self.group).wait()
+        _started(dist.irecv(buffer, src=self.peer, group=self.group)).wait()
         self.messages += 1
         prefix = buffer[:_PREFIX_BYTES].view(torch.int64).tolist()
         kind, microbatch, microbatch_size, batch_size, n_codes, total, sent_first, has_loss, loss_bits = prefix
@@ -333,7 +345,7 @@ class Link:
         if total > first:
             whole = torch.empty(total, dtype=torch.uint8, device=self.device)
             whole[:first].copy_(buffer)
-            dist.irecv(whole[first:], src=self.peer, group=self.group).wait()
+            _started(dist.irecv(whole[first:], src=self.peer, group=self.group)).wait()
             self.messages += 1
             buffer = whole
         self.sizes[key] = total
@@ -343,7 +355,7 @@ class Link:
             return Message(microbatch, microbatch_size, batch_size, error=text)
         skeleton, specs = decode_structure(codes)
         offsets, _ = _layout(n_codes, [(spec.dtype, spec.shape) for spec in specs])
-        tensors = []
+        tensors: list[torch.Tensor | None] = []
         for spec, offset in zip(specs, offsets):
             tensor = _tensor_at(buffer, offset, spec.dtype, spec.shape)
             if spec.requires_grad:
@@ -352,3 +364,8 @@ class Link:
         return Message(microbatch, microbatch_size, batch_size, value=fill_structure(skeleton, tensors),
                        loss=_bits_float(loss_bits) if has_loss else None)
 
+
+def _started(work: dist.Work | None) -> dist.Work:
+    """The work of a point-to-point operation (torch types it optional; it is None only for coalesced ops)."""
+    assert work is not None, "torch.distributed returned no work for a point-to-point receive"
+    return work

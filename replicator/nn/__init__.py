@@ -1,5 +1,10 @@
 """Layers whose statistics span all replicas."""
 
-from replicator.nn.batchnorm import CrossReplicaBatchNorm, CrossReplicaBatchNorm1d, CrossReplicaBatchNorm2d, convert_batchnorm
+from replicator.nn.batchnorm import (
+    CrossReplicaBatchNorm,
+    CrossReplicaBatchNorm1d,
+    CrossReplicaBatchNorm2d,
+    convert_batchnorm,
+)
 
 __all__ = ["CrossReplicaBatchNorm", "CrossReplicaBatchNorm1d", "CrossReplicaBatchNorm2d", "convert_batchnorm"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from replicator.comm import collectives
@@ -46,9 +45,6 @@ class CrossReplicaBatchNorm(_BatchNorm):
             return super().forward(input)
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
-        momentum = self.momentum
-        if momentum is None:  # cumulative moving average
-            momentum = 1.0 / float(self.num_batches_tracked)
 
         channels = input.shape[1]
         reduce_dims = [0, *range(2, input.dim())]
@@ -66,6 +62,10 @@ class CrossReplicaBatchNorm(_BatchNorm):
         var = m2 / total
 
         if self.training and self.track_running_stats:
+            assert self.running_mean is not None and self.running_var is not None
+            assert self.num_batches_tracked is not None
+            # Without a momentum, a cumulative moving average (as nn.BatchNorm).
+            momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
             with torch.no_grad():
                 unbiased = m2 / (total - 1).clamp_min(1)
                 self.running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
@@ -93,7 +93,7 @@ class CrossReplicaBatchNorm2d(CrossReplicaBatchNorm):
             raise ValueError(f"expected 4D input, got {input.dim()}D")
 
 
-_REPLACEMENT = {
+_REPLACEMENT: dict[type[torch.nn.Module], type[CrossReplicaBatchNorm]] = {
     torch.nn.BatchNorm1d: CrossReplicaBatchNorm1d,
     torch.nn.BatchNorm2d: CrossReplicaBatchNorm2d,
     torch.nn.BatchNorm3d: CrossReplicaBatchNorm,
@@ -104,6 +104,7 @@ def convert_batchnorm(module: torch.nn.Module, group: dist.ProcessGroup | None =
     """Replace every BatchNorm1d/2d/3d in `module` by its cross-replica twin, keeping its state."""
     replacement = _REPLACEMENT.get(type(module))
     if replacement is not None:
+        assert isinstance(module, _BatchNorm)
         converted = replacement(module.num_features, module.eps, module.momentum, module.affine,
                                 module.track_running_stats, group=group)
         converted.load_state_dict(module.state_dict())

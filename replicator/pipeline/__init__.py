@@ -7,11 +7,15 @@
     optimizer.zero_grad(); loss = pipe.train_step(x, y, F.cross_entropy); optimizer.step()
 """
 
+import warnings
+from typing import Any
+
 from replicator.pipeline.batchnorm import DeferredBatchNorm, convert_deferred_batchnorm
 from replicator.pipeline.build import agreed_balance, build_pipeline
-from replicator.pipeline.checkpointing import CHECKPOINT_MODES, is_recomputing
+from replicator.pipeline.hooks import StageHooks
 from replicator.pipeline.microbatch import gather, scatter
 from replicator.pipeline.partition import partition
+from replicator.pipeline.recompute import RECOMPUTE_MODES, is_recomputing
 from replicator.pipeline.schedule import SCHEDULES, Action, Op, Schedule, check_schedule, make_schedule, simulate
 from replicator.pipeline.stage import PipelineError, PipelineStage
 from replicator.pipeline.timeline import Event, Timeline, plot_gantt, write_chrome_trace
@@ -21,6 +25,7 @@ __all__ = [
     "agreed_balance",
     "PipelineStage",
     "PipelineError",
+    "StageHooks",
     "partition",
     "scatter",
     "gather",
@@ -31,7 +36,7 @@ __all__ = [
     "make_schedule",
     "check_schedule",
     "simulate",
-    "CHECKPOINT_MODES",
+    "RECOMPUTE_MODES",
     "is_recomputing",
     "DeferredBatchNorm",
     "convert_deferred_batchnorm",
@@ -40,3 +45,12 @@ __all__ = [
     "write_chrome_trace",
     "plot_gantt",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """CHECKPOINT_MODES, the old name of RECOMPUTE_MODES, still imports (with a DeprecationWarning)."""
+    if name == "CHECKPOINT_MODES":
+        warnings.warn("replicator.pipeline.CHECKPOINT_MODES is deprecated: use RECOMPUTE_MODES", DeprecationWarning,
+                      stacklevel=2)
+        return RECOMPUTE_MODES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from replicator.pipeline.checkpointing import is_recomputing
+from replicator.pipeline.recompute import is_recomputing
 
 __all__ = ["DeferredBatchNorm", "convert_deferred_batchnorm", "commit_deferred_batchnorm"]
 
@@ -59,7 +59,8 @@ class DeferredBatchNorm(_BatchNorm):
         m2 = (m2s + counts[:, None] * (means - mean) ** 2).sum(0)
         unbiased = m2 / (total - 1).clamp_min(1)
         with torch.no_grad():
-            assert self.num_batches_tracked is not None and self.running_mean is not None and self.running_var is not None
+            assert self.num_batches_tracked is not None
+            assert self.running_mean is not None and self.running_var is not None
             self.num_batches_tracked.add_(1)
             momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
             self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype), alpha=momentum)
@@ -68,11 +69,6 @@ class DeferredBatchNorm(_BatchNorm):
     def discard(self) -> None:
         """Forget the micro-batches seen since the last commit (after a failed step)."""
         self._pending.clear()
-
-    @classmethod
-    def convert(cls, module: nn.Module) -> nn.Module:
-        """Replace every BatchNorm1d/2d/3d in `module` by a DeferredBatchNorm with the same state."""
-        return convert_deferred_batchnorm(module)
 
 
 def convert_deferred_batchnorm(module: nn.Module) -> nn.Module:

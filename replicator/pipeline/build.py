@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from replicator.pipeline.batchnorm import convert_deferred_batchnorm
+from replicator.pipeline.hooks import StageHooks, with_no_sync
 from replicator.pipeline.partition import Balance, check_stage_count, layers_of, resolve_balance, split
+from replicator.pipeline.recompute import resolve_recompute
 from replicator.pipeline.schedule import Schedule
 from replicator.pipeline.stage import PipelineStage
 
@@ -46,7 +50,9 @@ def agreed_balance(
             message.fill_(-1)
     wire = message
     if dist.get_backend(group) == "nccl":  # NCCL only moves accelerator memory
-        wire = message.to(torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device()))
+        wire = message.to(
+            torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        )
     dist.broadcast(wire, src=source, group=group)
     if error is not None:
         raise error
@@ -66,14 +72,16 @@ def build_pipeline(
     stage_group: dist.ProcessGroup | None = None,
     chunks: int = 1,
     schedule: str | Schedule = "gpipe",
-    checkpoint: str = "except_last",
+    recompute: str = "except_last",
     device: torch.device | str | None = None,
     sample: Any = None,
     deferred_batchnorm: bool = False,
     balance_group: dist.ProcessGroup | None = None,
     replica: int = 0,
     record: bool = True,
-    no_sync: Callable[[], ContextManager[Any]] | None = None,
+    hooks: StageHooks | None = None,
+    no_sync: Callable[[], AbstractContextManager[Any]] | None = None,
+    checkpoint: str | None = None,
 ) -> PipelineStage:
     """Split `modules` into `num_stages` stages and return stage `stage_id` as a PipelineStage.
 
@@ -85,6 +93,9 @@ def build_pipeline(
             statistics are those of the whole mini-batch (GPipe); default: per micro-batch.
         balance_group: a group spanning every process of the job (ProcessGroups.control) so
             that a timed balance is the same for all replicas; default: stage_group.
+        hooks: what the job does around a training step (StageHooks); `no_sync=` is
+            folded into them, as PipelineStage does.
+        checkpoint: the deprecated name of `recompute` (a DeprecationWarning).
     """
     layers_of(modules)  # a clear error for a model that is not a sequence of layers, before any collective
     if not 0 <= stage_id < num_stages:
@@ -97,7 +108,7 @@ def build_pipeline(
     if device is not None:
         module.to(device)
     return PipelineStage(
-        module, stage_id=stage_id, num_stages=num_stages, stage_ranks=stage_ranks, group=stage_group,
-        chunks=chunks, schedule=schedule, checkpoint=checkpoint, device=device, replica=replica, record=record,
-        no_sync=no_sync,
+        module, stage_id=stage_id, num_stages=num_stages, stage_ranks=stage_ranks, group=stage_group, chunks=chunks,
+        schedule=schedule, recompute=resolve_recompute(recompute, checkpoint), device=device, replica=replica,
+        record=record, hooks=with_no_sync(hooks, no_sync),
     )

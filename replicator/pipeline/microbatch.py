@@ -1,44 +1,41 @@
 """Split a mini-batch into micro-batches along dim 0, and join micro-batch outputs back.
 
-A batch is a tensor or a (nested) tuple, list or dict of them. Every tensor with at least
-one dimension is split along dim 0 and all of them must agree on its size; 0-dim tensors
-and values that are not tensors are handed unchanged to every micro-batch. A batch of B
-samples always gives exactly `chunks` micro-batches, the first B % chunks of them one
-sample larger than the rest, so every stage of a pipeline knows how many to expect.
+A batch is a tensor or a (nested) tuple, list, namedtuple or dict of them, walked with
+torch's pytree. Every tensor with at least one dimension is split along dim 0 and all of
+them must agree on its size; 0-dim tensors and values that are not tensors are handed
+unchanged to every micro-batch. A batch of B samples always gives exactly `chunks`
+micro-batches, the first B % chunks of them one sample larger than the rest, so every
+stage of a pipeline knows how many to expect.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
-__all__ = ["batch_size", "microbatch_sizes", "scatter", "gather", "iter_tensors"]
+from replicator._tree import leaves_with_paths
 
-
-def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside a (nested) tuple, list or dict, depth first, in order."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from iter_tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from iter_tensors(item)
+__all__ = ["shared_batch_size", "microbatch_sizes", "scatter", "gather"]
 
 
-def batch_size(value: Any) -> int | None:
+def shared_batch_size(value: Any) -> int | None:
     """The dim-0 size shared by every batched tensor in `value`; None if it holds none.
 
     Raises ValueError when two tensors disagree: splitting them would pair the wrong samples.
+    (The step loop's rule, replicator._tree.leading_size, reads only the first tensor.)
     """
-    sizes = {t.shape[0] for t in iter_tensors(value) if t.dim() > 0}
+    batched = [(path, leaf) for path, leaf in leaves_with_paths(value, "batch")
+               if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    sizes = {leaf.shape[0] for _, leaf in batched}
     if len(sizes) > 1:
-        shapes = [tuple(t.shape) for t in iter_tensors(value) if t.dim() > 0]
+        shapes = ", ".join(f"{path}: {tuple(leaf.shape)}" for path, leaf in batched)
         raise ValueError(
             f"the tensors of one batch disagree on the batch size (dim 0): shapes {shapes}; every tensor that "
-            "is split into micro-batches needs the same dim-0 size (wrap per-batch constants in a non-tensor or a 0-dim tensor)"
+            "is split into micro-batches needs the same dim-0 size (wrap per-batch constants in a non-tensor or a "
+            "0-dim tensor)"
         )
     return sizes.pop() if sizes else None
 
@@ -56,32 +53,24 @@ def microbatch_sizes(size: int, chunks: int) -> list[int]:
     return [base + 1] * extra + [base] * (chunks - extra)
 
 
-def _rebuild(like: Any, items: list[Any]) -> Any:
-    if isinstance(like, tuple) and hasattr(like, "_fields"):  # namedtuple
-        return type(like)(*items)
-    return type(like)(items)
-
-
-def _narrow(value: Any, start: int, length: int) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.narrow(0, start, length) if value.dim() > 0 else value
-    if isinstance(value, (tuple, list)):
-        return _rebuild(value, [_narrow(item, start, length) for item in value])
-    if isinstance(value, dict):
-        return type(value)((key, _narrow(item, start, length)) for key, item in value.items())
-    return value
-
-
 def scatter(value: Any, chunks: int) -> list[Any]:
     """Split `value` into exactly `chunks` micro-batches (views, no copies)."""
-    size = batch_size(value)
+    size = shared_batch_size(value)
     if size is None:
         raise ValueError(
             f"cannot split a {type(value).__name__} into micro-batches: it holds no tensor with a batch dimension"
         )
     sizes = microbatch_sizes(size, chunks)
     starts = [sum(sizes[:i]) for i in range(chunks)]
-    return [_narrow(value, start, length) for start, length in zip(starts, sizes)]
+    leaves, spec = pytree.tree_flatten(value)
+    return [
+        pytree.tree_unflatten(
+            [leaf.narrow(0, start, length) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf
+             for leaf in leaves],
+            spec,
+        )
+        for start, length in zip(starts, sizes)
+    ]
 
 
 def gather(values: Sequence[Any]) -> Any:
@@ -91,30 +80,45 @@ def gather(values: Sequence[Any]) -> Any:
     """
     if not values:
         raise ValueError("gather() needs at least one micro-batch output")
-    first = values[0]
+    first_leaves, spec = pytree.tree_flatten(values[0])
+    columns: list[list[Any]] = [[leaf] for leaf in first_leaves]
+    for index, value in enumerate(values[1:], start=1):
+        leaves, other = pytree.tree_flatten(value)
+        if other != spec:
+            raise TypeError(
+                "cannot join micro-batch outputs whose structure differs between micro-batches: micro-batch 0 holds "
+                f"{_paths(values[0])}, micro-batch {index} holds {_paths(value)}"
+            )
+        for column, leaf in zip(columns, leaves):
+            column.append(leaf)
+    joined = [_join(column, path) for column, path in zip(columns, _paths(values[0]))]
+    return pytree.tree_unflatten(joined, spec)
+
+
+def _paths(value: Any) -> list[str]:
+    return [path for path, _ in leaves_with_paths(value, "output")]
+
+
+def _join(column: list[Any], path: str) -> Any:
+    """One leaf of the joined output from that leaf in every micro-batch."""
+    first = column[0]
     if isinstance(first, torch.Tensor):
-        if not all(isinstance(v, torch.Tensor) for v in values):
-            raise TypeError("cannot join micro-batch outputs: a tensor in one micro-batch is not a tensor in another")
+        if not all(isinstance(v, torch.Tensor) for v in column):
+            raise TypeError(
+                f"cannot join micro-batch outputs: {path} is a tensor in one micro-batch and not a tensor in another"
+            )
         if first.dim() == 0:
             raise ValueError(
-                "cannot join 0-dim tensors from micro-batches along the batch dimension; return per-sample values "
-                "(shape (batch, ...)) from the last stage"
+                f"cannot join 0-dim tensors ({path}) from micro-batches along the batch dimension; return per-sample "
+                "values (shape (batch, ...)) from the last stage"
             )
-        return torch.cat(list(values), dim=0)
-    if isinstance(first, (tuple, list)):
-        if any(type(v) is not type(first) or len(v) != len(first) for v in values):
-            raise TypeError("cannot join micro-batch outputs whose structure differs between micro-batches")
-        return _rebuild(first, [gather([v[k] for v in values]) for k in range(len(first))])
-    if isinstance(first, dict):
-        if any(not isinstance(v, dict) or list(v.keys()) != list(first.keys()) for v in values):
-            raise TypeError("cannot join micro-batch outputs: dicts with different keys in different micro-batches")
-        return type(first)((key, gather([v[key] for v in values])) for key in first)
+        return torch.cat(column, dim=0)
     try:
-        same = all(v is first or bool(v == first) for v in values)
+        same = all(v is first or bool(v == first) for v in column)
     except Exception:  # objects whose == is not a plain truth value
         same = False
     if not same:
         raise ValueError(
-            f"cannot join micro-batch outputs: the non-tensor value {first!r} differs between micro-batches"
+            f"cannot join micro-batch outputs: the non-tensor value {first!r} at {path} differs between micro-batches"
         )
     return first

@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from replicator.pipeline.microbatch import iter_tensors
+from replicator._tree import map_tensors, tensors
 
 __all__ = [
     "Balance",
@@ -31,7 +32,7 @@ __all__ = [
     "partition",
 ]
 
-Balance = Union[Sequence[int], str]
+Balance = Sequence[int] | str
 
 
 def layers_of(modules: nn.Sequential | nn.ModuleList | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -101,25 +102,13 @@ def balance_by_params(modules: nn.Sequential | Sequence[nn.Module], num_stages: 
     return solve_balance(costs, num_stages)
 
 
-def _to(value: Any, device: torch.device | None) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device) if device is not None else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
-
-
 def _detached(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        leaf = value.detach()
+    """`value` cut from any graph, its floating-point tensors leaves that want a gradient."""
+    def detach(tensor: torch.Tensor) -> torch.Tensor:
+        leaf = tensor.detach()
         return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detached(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    return value
+
+    return map_tensors(detach, value)
 
 
 def _synchronize(device: torch.device | None) -> None:
@@ -128,7 +117,11 @@ def _synchronize(device: torch.device | None) -> None:
 
 
 def profile_times(
-    modules: nn.Sequential | Sequence[nn.Module], sample: Any, *, repeat: int = 3, device: torch.device | str | None = None
+    modules: nn.Sequential | Sequence[nn.Module],
+    sample: Any,
+    *,
+    repeat: int = 3,
+    device: torch.device | str | None = None,
 ) -> list[float]:
     """Seconds each layer takes for forward + backward on `sample` (the input of the first layer).
 
@@ -144,7 +137,7 @@ def profile_times(
     devices = [device] if device is not None and device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices):
-            x = _to(sample, device)
+            x = sample if device is None else map_tensors(lambda t: t.to(device), sample)
             for name, layer in layers:
                 best = float("inf")
                 output: Any = None
@@ -153,14 +146,14 @@ def profile_times(
                     _synchronize(device)
                     started = time.perf_counter()
                     output = layer(inputs)
-                    outs = [t for t in iter_tensors(output) if t.requires_grad]
+                    outs = [t for t in tensors(output) if t.requires_grad]
                     if outs:
                         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
                     _synchronize(device)
                     best = min(best, time.perf_counter() - started)
                 times.append(best)
                 x = output
-                if not any(True for _ in iter_tensors(x)):
+                if not tensors(x):
                     raise TypeError(f"layer {name} returned {type(x).__name__}, not a tensor or a structure of tensors")
     finally:
         with torch.no_grad():
@@ -201,7 +194,9 @@ def resolve_balance(
             return balance_by_params(modules, num_stages)
         if balance == "time":
             if sample is None:
-                raise ValueError('balance="time" profiles each layer on a sample batch: pass sample=<a batch for the first layer>')
+                raise ValueError(
+                    'balance="time" profiles each layer on a sample batch: pass sample=<a batch for the first layer>'
+                )
             return balance_by_time(modules, num_stages, sample, device=device)
         raise ValueError(f'balance must be a list of layer counts, "params" or "time", got {balance!r}')
     counts = [int(c) for c in balance]

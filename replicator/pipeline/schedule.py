@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
+
+from replicator.pipeline.bubble import idle_share
 
 __all__ = [
     "Op",
@@ -34,7 +36,7 @@ __all__ = [
     "check_schedule",
     "TimedAction",
     "timed_simulation",
-    "bubble_fraction",
+    "simulated_bubble",
     "max_in_flight",
 ]
 
@@ -183,11 +185,6 @@ def from_compute_orders(name: str, compute_orders: Sequence[Sequence[Action]], n
         done_forward: set[int] = set()
         received: set[int] = set()
         actions = stages[stage]
-
-        def send_ready() -> None:
-            while channel and channel[0].op is Op.SEND_ACTIVATION and channel[0].microbatch in done_forward:
-                actions.append(channel.popleft())
-
         for action in compute_orders[stage]:
             i = action.microbatch
             if action.op is Op.FORWARD:
@@ -195,7 +192,7 @@ def from_compute_orders(name: str, compute_orders: Sequence[Sequence[Action]], n
                     actions.append(Action(Op.RECV_ACTIVATION, i))
                 actions.append(action)
                 done_forward.add(i)
-                send_ready()
+                _send_ready(channel, done_forward, actions)
                 continue
             while not last and i not in received:
                 if not channel:
@@ -208,14 +205,20 @@ def from_compute_orders(name: str, compute_orders: Sequence[Sequence[Action]], n
                     )
                 actions.append(channel.popleft())
                 received.add(head.microbatch)
-            send_ready()
+            _send_ready(channel, done_forward, actions)
             actions.append(action)
             if not first:
                 actions.append(Action(Op.SEND_GRADIENT, i))
-        send_ready()
+        _send_ready(channel, done_forward, actions)
         if channel:
             raise ScheduleError(f"{name}: stage {stage} never performs {list(channel)} expected by stage {stage + 1}")
     return Schedule(name, num_stages, num_microbatches, tuple(tuple(s) for s in stages))
+
+
+def _send_ready(channel: deque[Action], done_forward: set[int], actions: list[Action]) -> None:
+    """Move the activation sends at the head of `channel` whose forwards are done into `actions`."""
+    while channel and channel[0].op is Op.SEND_ACTIVATION and channel[0].microbatch in done_forward:
+        actions.append(channel.popleft())
 
 
 def _check_compute_order(stage: int, order: list[Action], num_microbatches: int, name: str) -> None:
@@ -224,15 +227,21 @@ def _check_compute_order(stage: int, order: list[Action], num_microbatches: int,
     if any(not a.op.is_compute for a in order):
         raise ScheduleError(f"{name}: a compute order holds only forward and backward actions (stage {stage})")
     if sorted(forwards) != list(range(num_microbatches)):
-        raise ScheduleError(f"{name}: stage {stage} must forward each of {num_microbatches} micro-batches once, got {forwards}")
+        raise ScheduleError(
+            f"{name}: stage {stage} must forward each of {num_microbatches} micro-batches once, got {forwards}"
+        )
     if backwards and sorted(backwards) != list(range(num_microbatches)):
-        raise ScheduleError(f"{name}: stage {stage} must backward each of {num_microbatches} micro-batches once, got {backwards}")
+        raise ScheduleError(
+            f"{name}: stage {stage} must backward each of {num_microbatches} micro-batches once, got {backwards}"
+        )
     seen: set[int] = set()
     for action in order:
         if action.op is Op.FORWARD:
             seen.add(action.microbatch)
         elif action.microbatch not in seen:
-            raise ScheduleError(f"{name}: stage {stage} runs the backward of micro-batch {action.microbatch} before its forward")
+            raise ScheduleError(
+                f"{name}: stage {stage} runs the backward of micro-batch {action.microbatch} before its forward"
+            )
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
@@ -346,7 +355,9 @@ def simulate(schedule: Schedule, rendezvous: bool = True) -> list[tuple[int, Act
     stuck = {s: head(s) for s in range(K) if head(s) is not None}
     if stuck:
         waiting = ", ".join(f"stage {s} at {a} (action {position[s]})" for s, a in stuck.items())
-        raise DeadlockError(f"{schedule.name} ({K} stages, {schedule.num_microbatches} micro-batches) deadlocks: {waiting}")
+        raise DeadlockError(
+            f"{schedule.name} ({K} stages, {schedule.num_microbatches} micro-batches) deadlocks: {waiting}"
+        )
     leftovers = {key: list(q) for key, q in mailbox.items() if q}
     if leftovers:
         raise ScheduleError(f"{schedule.name}: messages sent but never received: {leftovers}")
@@ -468,14 +479,9 @@ def timed_simulation(
     return placed
 
 
-def bubble_fraction(placed: Sequence[TimedAction]) -> float:
-    """Idle share of the stages' time between the first start and the last end."""
-    if not placed:
-        return 0.0
-    stages = {p.stage for p in placed}
-    span = max(p.end for p in placed) - min(p.start for p in placed)
-    busy = sum(p.end - p.start for p in placed if p.action.op.is_compute)
-    return 1.0 - busy / (len(stages) * span) if span > 0 else 0.0
+def simulated_bubble(placed: Sequence[TimedAction]) -> float:
+    """Idle share of the stages' time between the first start and the last end of a simulated schedule."""
+    return idle_share((p.stage, p.start, p.end, p.action.op.is_compute) for p in placed)
 
 
 def max_in_flight(schedule: Schedule, stage: int) -> int:

@@ -10,13 +10,15 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
+from replicator.pipeline.bubble import idle_share
 from replicator.pipeline.schedule import Op, Schedule, TimedAction, timed_simulation
 
 __all__ = ["Event", "Timeline", "events_from_simulation", "chrome_trace", "write_chrome_trace", "plot_gantt",
-           "bubble_fraction"]
+           "measured_bubble"]
 
 _LABEL = {
     Op.FORWARD.value: "F",
@@ -84,14 +86,9 @@ def events_from_simulation(placed: Sequence[TimedAction] | Schedule, forward_tim
     return [Event(p.stage, p.action.op.value, p.action.microbatch, p.start, p.end) for p in placed]
 
 
-def bubble_fraction(events: Sequence[Event]) -> float:
-    """Share of the stages' time, from the first start to the last end, not spent computing."""
-    if not events:
-        return 0.0
-    lanes = {(e.replica, e.stage) for e in events}
-    span = max(e.end for e in events) - min(e.start for e in events)
-    busy = sum(e.end - e.start for e in events if e.is_compute)
-    return 1.0 - busy / (len(lanes) * span) if span > 0 else 0.0
+def measured_bubble(events: Sequence[Event]) -> float:
+    """Share of the stages' time, from the first start to the last end of recorded events, not spent computing."""
+    return idle_share(((e.replica, e.stage), e.start, e.end, e.is_compute) for e in events)
 
 
 def chrome_trace(events: Sequence[Event]) -> dict[str, Any]:
@@ -100,8 +97,9 @@ def chrome_trace(events: Sequence[Event]) -> dict[str, Any]:
     trace: list[dict[str, Any]] = []
     for replica, stage in sorted({(e.replica, e.stage) for e in events}):
         trace.append({"name": "process_name", "ph": "M", "pid": replica, "args": {"name": f"replica {replica}"}})
-        trace.append({"name": "thread_name", "ph": "M", "pid": replica, "tid": stage, "args": {"name": f"stage {stage}"}})
-        trace.append({"name": "thread_sort_index", "ph": "M", "pid": replica, "tid": stage, "args": {"sort_index": stage}})
+        lane = {"ph": "M", "pid": replica, "tid": stage}
+        trace.append({"name": "thread_name", **lane, "args": {"name": f"stage {stage}"}})
+        trace.append({"name": "thread_sort_index", **lane, "args": {"sort_index": stage}})
     for e in events:
         trace.append({
             "name": f"{_LABEL.get(e.op, e.op)} {e.microbatch}",
@@ -146,12 +144,14 @@ def plot_gantt(events: Sequence[Event], path: str | os.PathLike[str], *, title: 
         scale, unit = 1.0, time_unit
     lanes = sorted({(e.replica, e.stage) for e in events})
     row = {lane: k for k, lane in enumerate(lanes)}
-    figure, axes = plt.subplots(figsize=(max(8.0, min(24.0, 0.25 * len(events) / max(1, len(lanes)))), 0.6 * len(lanes) + 1.5))
+    width_inches = max(8.0, min(24.0, 0.25 * len(events) / max(1, len(lanes))))
+    figure, axes = plt.subplots(figsize=(width_inches, 0.6 * len(lanes) + 1.5))
     for e in events:
         y = row[(e.replica, e.stage)]
         start, width = (e.start - origin) * scale, (e.end - e.start) * scale
         if e.is_compute:
-            axes.broken_barh([(start, width)], (y - 0.4, 0.8), facecolors=_COLOR[e.op], edgecolor="white", linewidth=0.5)
+            axes.broken_barh([(start, width)], (y - 0.4, 0.8), facecolors=_COLOR[e.op], edgecolor="white",
+                             linewidth=0.5)
             if width > span * scale / 80:
                 axes.text(start + width / 2, y, str(e.microbatch), ha="center", va="center", color="white", fontsize=7)
         elif show_communication:
@@ -160,9 +160,10 @@ def plot_gantt(events: Sequence[Event], path: str | os.PathLike[str], *, title: 
     axes.set_yticklabels([f"stage {s}" if len({r for r, _ in lanes}) == 1 else f"r{r} stage {s}" for r, s in lanes])
     axes.invert_yaxis()
     axes.set_xlabel(unit)
-    bubble = bubble_fraction(events)
+    bubble = measured_bubble(events)
     axes.set_title(f"{title + ' — ' if title else ''}bubble {bubble:.0%}")
-    handles = [Patch(color=_COLOR[Op.FORWARD.value], label="forward"), Patch(color=_COLOR[Op.BACKWARD.value], label="backward")]
+    handles = [Patch(color=_COLOR[Op.FORWARD.value], label="forward"),
+               Patch(color=_COLOR[Op.BACKWARD.value], label="backward")]
     if show_communication:
         handles.append(Patch(color=_COLOR[Op.RECV_ACTIVATION.value], label="receive (waiting)"))
     axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)

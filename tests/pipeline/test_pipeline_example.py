@@ -57,8 +57,8 @@ def one_process_losses(example: ModuleType, replicas: int) -> list[float]:
 
 @pytest.mark.timeout(120)
 def test_example_trains_on_two_stages_by_two_replicas(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "replicator.cli", "launch", "-n", "4", str(EXAMPLE), *ARGS, "--report", str(tmp_path),
-               "--trace", str(tmp_path / "trace")]
+    command = [sys.executable, "-m", "replicator.cli", "launch", "-n", "4", str(EXAMPLE), *ARGS,
+               "--report", str(tmp_path), "--trace", str(tmp_path / "trace")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=110, cwd=ROOT,
                             env={"REPLICATOR_PROGRESS": "0", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stdout + result.stderr

@@ -32,7 +32,8 @@ def replica_stage(schedule: str) -> tuple[int, list[torch.Tensor], list[float]]:
         share = ctx.per_replica_batch_size(GLOBAL_BATCH)
         for step in range(STEPS):
             x, y = batch(step)
-            yield x[ctx.replica_id * share : (ctx.replica_id + 1) * share], y[ctx.replica_id * share : (ctx.replica_id + 1) * share]
+            mine = slice(ctx.replica_id * share, (ctx.replica_id + 1) * share)
+            yield x[mine], y[mine]
 
     def step_fn(ctx: rp.ReplicaContext, data):
         optimizer.zero_grad()

@@ -7,7 +7,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from replicator.pipeline.microbatch import batch_size, gather, microbatch_sizes, scatter
+from replicator.pipeline.microbatch import gather, microbatch_sizes, scatter, shared_batch_size
 
 
 def test_sizes_are_exactly_chunks_and_the_last_may_be_smaller() -> None:
@@ -48,7 +48,7 @@ def test_structures_and_pass_through_values() -> None:
 
 
 def test_clear_errors() -> None:
-    assert batch_size({"a": "no tensors"}) is None
+    assert shared_batch_size({"a": "no tensors"}) is None
     with pytest.raises(ValueError, match="disagree on the batch size"):
         scatter((torch.zeros(4), torch.zeros(5)), 2)
     with pytest.raises(ValueError, match="holds no tensor"):

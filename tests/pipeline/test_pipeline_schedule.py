@@ -10,13 +10,13 @@ from replicator.pipeline.schedule import (
     Op,
     Schedule,
     ScheduleError,
-    bubble_fraction,
     check_schedule,
     forward_only,
     from_compute_orders,
     make_schedule,
     max_in_flight,
     simulate,
+    simulated_bubble,
     timed_simulation,
 )
 
@@ -66,7 +66,7 @@ def test_bubble_matches_gpipe_formula(name: str) -> None:
     for K, M in SIZES:
         for forward, backward in [(1.0, 1.0), (1.0, 2.0)]:
             placed = timed_simulation(make_schedule(name, K, M), forward, backward)
-            assert bubble_fraction(placed) == pytest.approx((K - 1) / (M + K - 1))
+            assert simulated_bubble(placed) == pytest.approx((K - 1) / (M + K - 1))
 
 
 def test_one_f_one_b_bounds_activations_in_flight() -> None:

@@ -7,10 +7,12 @@ fixtures launch once per pipeline shape and the tests read their results.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -18,11 +20,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from replicator._tree import tensors as iter_tensors
 from replicator.comm import p2p
 from replicator.pipeline import PipelineError, build_pipeline
 from replicator.pipeline.build import agreed_balance
-from replicator.pipeline.microbatch import iter_tensors
-from replicator.pipeline.timeline import bubble_fraction, plot_gantt, write_chrome_trace
+from replicator.pipeline.timeline import measured_bubble, plot_gantt, write_chrome_trace
 from replicator.testing import run_replicas
 from replicator.topology import build_process_groups, discover
 
@@ -85,7 +87,8 @@ class _RaiseInBackward(torch.autograd.Function):
 
 def make_layers() -> list[nn.Module]:
     torch.manual_seed(0)
-    return [nn.Linear(6, 16), nn.Tanh(), Fork(), ToDict(), Switch(), Merge(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)]
+    return [nn.Linear(6, 16), nn.Tanh(), Fork(), ToDict(), Switch(), Merge(), nn.Linear(16, 16), nn.ReLU(),
+            nn.Linear(16, 3)]
 
 
 # Cut after Fork (a tuple with an int tensor travels) and after Switch (a dict travels);
@@ -105,8 +108,12 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=0.01)
 
 
-def reference_training(layers: list[nn.Module], optimizer_name: str, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                       loss_fn: Callable[..., torch.Tensor] = F.cross_entropy) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference_training(
+    layers: list[nn.Module],
+    optimizer_name: str,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
+) -> tuple[dict[str, torch.Tensor], list[float]]:
     model = nn.Sequential(*layers)
     optimizer = make_optimizer(optimizer_name, model.parameters())
     losses = []
@@ -136,11 +143,12 @@ def equivalence_worker(num_stages: int) -> dict[str, Any]:
     batches = make_batches()
     references = {name: reference_training(make_layers(), name, batches) for name in OPTIMIZERS}
     results: dict[str, Any] = {}
-    for chunks, schedule, checkpoint, optimizer_name in itertools.product(CHUNKS, SCHEDULE_NAMES, CHECKPOINTS, OPTIMIZERS):
+    configurations = itertools.product(CHUNKS, SCHEDULE_NAMES, CHECKPOINTS, OPTIMIZERS)
+    for chunks, schedule, checkpoint, optimizer_name in configurations:
         pipe = build_pipeline(
             make_layers(), stage_id=stage_id, num_stages=num_stages, balance=BALANCE[num_stages],
             stage_ranks=groups.stage_ranks, stage_group=groups.stage, chunks=chunks, schedule=schedule,
-            checkpoint=checkpoint,
+            recompute=checkpoint,
         )
         optimizer = make_optimizer(optimizer_name, pipe.parameters())
         losses = []
@@ -288,18 +296,21 @@ def error_checks(groups: Any, stage_id: int) -> dict[str, Any]:
                               stage_ranks=groups.stage_ranks, stage_group=groups.stage, chunks=4, schedule=schedule)
         x, y = make_batches()[0]
         cases: dict[str, Callable[[], Any]] = {
-            "small_batch": lambda: pipe.train_step(x[:2], y[:2], F.cross_entropy),
-            "non_scalar_loss": lambda: pipe.train_step(x, y, lambda o, t: F.cross_entropy(o, t, reduction="none")),
-            "target_mismatch": lambda: pipe.train_step(x, y[:10], F.cross_entropy),
-            "no_loss_fn": lambda: pipe.train_step(x, y, None),
-            "eval_small_batch": lambda: pipe.eval_step(x[:3]),
+            "small_batch": functools.partial(pipe.train_step, x[:2], y[:2], F.cross_entropy),
+            "non_scalar_loss": functools.partial(pipe.train_step, x, y,
+                                                 lambda o, t: F.cross_entropy(o, t, reduction="none")),
+            "target_mismatch": functools.partial(pipe.train_step, x, y[:10], F.cross_entropy),
+            "no_loss_fn": functools.partial(pipe.train_step, x, y, None),
+            "eval_small_batch": functools.partial(pipe.eval_step, x[:3]),
         }
         for name, run in cases.items():
             outcomes[f"{schedule} {name}"] = _expect_failure(run)
         for mode in ["string", "raise", "raise_in_backward"]:
             Switch.mode = mode
             try:
-                outcomes[f"{schedule} {mode}"] = _expect_failure(lambda: pipe.train_step(x, y, F.cross_entropy))
+                outcomes[f"{schedule} {mode}"] = _expect_failure(
+                    functools.partial(pipe.train_step, x, y, F.cross_entropy)
+                )
             finally:
                 Switch.mode = "ok"
         # After all those failures the pipeline still works and agrees with one process.
@@ -320,7 +331,9 @@ def make_bn_layers() -> list[nn.Module]:
             nn.Linear(16, 3)]
 
 
-def microbatched_reference(chunks: int, batches: list[tuple[torch.Tensor, torch.Tensor]], deferred: bool) -> dict[str, torch.Tensor]:
+def microbatched_reference(
+    chunks: int, batches: list[tuple[torch.Tensor, torch.Tensor]], deferred: bool
+) -> dict[str, torch.Tensor]:
     """One process, plain nn.BatchNorm, a loop over micro-batches; deferred statistics computed by hand."""
     model = nn.Sequential(*make_bn_layers())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -329,7 +342,8 @@ def microbatched_reference(chunks: int, batches: list[tuple[torch.Tensor, torch.
     handles = [bn.register_forward_pre_hook(lambda m, args: seen[id(m)].append(args[0].detach())) for bn in bns]
     for x, y in batches:
         optimizer.zero_grad()
-        saved = {id(bn): (bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone()) for bn in bns}
+        saved = {id(bn): (bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone())
+                 for bn in bns}
         for bn in bns:
             seen[id(bn)].clear()
         for xs, ys in zip(torch.tensor_split(x, chunks), torch.tensor_split(y, chunks)):
@@ -362,7 +376,7 @@ def batchnorm_checks(groups: Any, stage_id: int) -> dict[str, float]:
         for schedule, checkpoint in itertools.product(SCHEDULE_NAMES, CHECKPOINTS):
             pipe = build_pipeline(make_bn_layers(), stage_id=stage_id, num_stages=2, balance=[3, 4],
                                   stage_ranks=groups.stage_ranks, stage_group=groups.stage, chunks=chunks,
-                                  schedule=schedule, checkpoint=checkpoint, deferred_batchnorm=deferred)
+                                  schedule=schedule, recompute=checkpoint, deferred_batchnorm=deferred)
             optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
             for step, (x, y) in enumerate(batches):
                 optimizer.zero_grad()
@@ -398,7 +412,7 @@ def timeline_checks(groups: Any, stage_id: int, trace_dir: str) -> dict[str, Any
         "count": len(events),
         "stages": sorted({e.stage for e in events}),
         "ordered": all(e.end >= e.start for e in events),
-        "bubble": bubble_fraction(events),
+        "bubble": measured_bubble(events),
     }
 
 
@@ -520,7 +534,9 @@ def test_batchnorm_statistics_are_never_counted_twice(two_stages: list[dict[str,
     for rank, result in enumerate(two_stages):
         bad = {k: v for k, v in result["batchnorm"].items() if v > ATOL}
         assert not bad, f"rank {rank}: {bad}"
-        assert len(result["batchnorm"]) == 2 * 2 * len(SCHEDULE_NAMES) * len(CHECKPOINTS) + len(SCHEDULE_NAMES) * len(CHECKPOINTS)
+        assert len(result["batchnorm"]) == (
+            2 * 2 * len(SCHEDULE_NAMES) * len(CHECKPOINTS) + len(SCHEDULE_NAMES) * len(CHECKPOINTS)
+        )
 
 
 def test_timeline_exports(two_stages: list[dict[str, Any]], trace_dir: str) -> None:
@@ -586,7 +602,7 @@ def test_single_stage_pipeline_without_distributed() -> None:
             quiet_backwards.append(1)
             yield
 
-        pipe = build_pipeline(make_layers(), stage_id=0, num_stages=1, chunks=4, schedule="1f1b", checkpoint="always",
+        pipe = build_pipeline(make_layers(), stage_id=0, num_stages=1, chunks=4, schedule="1f1b", recompute="always",
                               no_sync=no_sync)
         optimizer = make_optimizer("sgd", pipe.parameters())
         for (x, y), expected in zip(batches, reference_losses):
@@ -604,18 +620,18 @@ def test_single_stage_pipeline_without_distributed() -> None:
 
 
 def test_receives_prove_which_sends_were_delivered() -> None:
+    from replicator.pipeline.links import delivered_counts
     from replicator.pipeline.schedule import make_schedule
-    from replicator.pipeline.stage import _delivered_counts
 
     gpipe = make_schedule("gpipe", 2, 4)
-    stage0 = _delivered_counts(gpipe, 0)
+    stage0 = delivered_counts(gpipe, 0)
     # Stage 1 sends its first gradient after receiving all 4 activations: stage 0's copies of
     # them can go before its backwards start.
     assert [c for a, c in zip(gpipe.stages[0], stage0) if a.op.is_recv] == [4, 4, 4, 4]
     # Stage 1 hears back from stage 0 only through activations, sent before any gradient.
-    assert set(_delivered_counts(gpipe, 1)) == {0}
+    assert set(delivered_counts(gpipe, 1)) == {0}
     one_f_one_b = make_schedule("1f1b", 3, 4)
-    middle = [(str(a), c) for a, c in zip(one_f_one_b.stages[1], _delivered_counts(one_f_one_b, 1)) if a.op.is_recv]
+    middle = [(str(a), c) for a, c in zip(one_f_one_b.stages[1], delivered_counts(one_f_one_b, 1)) if a.op.is_recv]
     assert all(c <= 4 for _, c in middle) and any(c > 0 for a, c in middle if a.startswith("RG"))
 
 

@@ -1,0 +1,112 @@
+"""Activation recomputation: a stage keeps only its input per micro-batch and recomputes its forward in backward.
+
+GPipe calls this re-materialisation; the keyword is `recompute=` so that it is not mistaken
+for saved-state checkpoints (replicator.checkpoint). Built on torch.utils.checkpoint
+(non-reentrant). While a forward is being recomputed, `is_recomputing()` is true and batch
+norms in training mode update throwaway copies of their running statistics, so the
+statistics are never counted twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "RECOMPUTE_MODES",
+    "check_mode",
+    "resolve_recompute",
+    "should_recompute",
+    "is_recomputing",
+    "recomputing",
+    "run_forward",
+]
+
+RECOMPUTE_MODES = ("always", "except_last", "never")
+_DEFAULT_MODE = "except_last"  # the default of recompute= on build_pipeline and PipelineStage
+
+_state = threading.local()
+
+
+def check_mode(mode: str) -> str:
+    """Return `mode` if it is a recomputation mode, else raise a ValueError naming the choices."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
+    return mode
+
+
+def resolve_recompute(recompute: str, deprecated_checkpoint: str | None) -> str:
+    """The mode from `recompute=`, or from its old name `checkpoint=` with a DeprecationWarning."""
+    if deprecated_checkpoint is None:
+        return check_mode(recompute)
+    warnings.warn(
+        "checkpoint= of a pipeline stage means activation recomputation and is deprecated: pass recompute= (same "
+        "modes); saved-state checkpoints are replicator.checkpoint",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if recompute not in (_DEFAULT_MODE, deprecated_checkpoint):
+        raise ValueError(f"recompute={recompute!r} and checkpoint={deprecated_checkpoint!r} disagree; pass recompute= "
+                         "alone")
+    return check_mode(deprecated_checkpoint)
+
+
+def should_recompute(mode: str, microbatch: int, num_microbatches: int) -> bool:
+    """Whether a micro-batch's forward is recomputed in backward under `mode`.
+
+    "except_last" keeps the last micro-batch's activations: its backward follows its
+    forward soonest (at once on the last stage), so recomputing it would buy no memory.
+    """
+    if mode == "always":
+        return True
+    if mode == "except_last":
+        return microbatch != num_microbatches - 1
+    return False
+
+
+def is_recomputing() -> bool:
+    """True while a forward is being recomputed during backward (in this thread)."""
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def recomputing(module: nn.Module) -> Iterator[None]:
+    """Mark a recomputation and stop `module`'s batch norms from updating running statistics again."""
+    # The recomputation must save the same tensors as the first forward (checkpoint checks),
+    # so the batch norms keep running statistics, only throwaway copies of them.
+    names = ("running_mean", "running_var", "num_batches_tracked")
+    frozen: list[tuple[_BatchNorm, dict[str, torch.Tensor]]] = []
+    for bn in module.modules():
+        if isinstance(bn, _BatchNorm) and bn.training and bn.track_running_stats:
+            originals = {n: buffer for n in names if (buffer := bn._buffers.get(n)) is not None}
+            frozen.append((bn, originals))
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        for bn, originals in frozen:
+            for name, tensor in originals.items():
+                bn._buffers[name] = tensor.clone()
+        yield
+    finally:
+        for bn, originals in frozen:
+            bn._buffers.update(originals)
+        _state.depth -= 1
+
+
+def run_forward(module: nn.Module, inputs: Any, recompute: bool) -> Any:
+    """`module(inputs)`, optionally keeping only `inputs` and recomputing the rest in backward."""
+    if not recompute or not torch.is_grad_enabled():
+        return module(inputs)
+    return checkpoint(
+        module,
+        inputs,
+        use_reentrant=False,
+        context_fn=lambda: (contextlib.nullcontext(), recomputing(module)),
+    )

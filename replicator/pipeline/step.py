@@ -1,0 +1,55 @@
+"""The state of one pipeline step on one stage, and the error every stage raises when the step fails."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from replicator.errors import ReplicatorError
+
+__all__ = ["PipelineError", "StepState"]
+
+
+class PipelineError(ReplicatorError):
+    """A pipeline step failed on some stage; every stage of that pipeline raises it."""
+
+
+@dataclass
+class StepState:
+    """What one train or eval step on one stage holds between its actions, by micro-batch."""
+
+    training: bool
+    failure: str | None = None  # what went wrong, as every stage will report it
+    cause: BaseException | None = None  # the exception, when it was raised on this stage
+    batch_size: int = 0
+    sizes: dict[int, int] = field(default_factory=dict)
+    inputs: dict[int, Any] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    loss_total: torch.Tensor | None = None  # the last stage's sum of the micro-batch losses
+    loss_relayed: float | None = None  # the same, as the next stage's last gradient message carried it
+    grads_in: dict[int, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+    grads_out: dict[int, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+    targets: list[Any] | None = None
+    sent_before: dict[int, int] = field(default_factory=dict)  # transfers each neighbour had been sent before
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    def fail(self, error: BaseException | str, where: str) -> None:
+        """Record the step's first failure (an exception here, or a text from a neighbour) and drop its tensors."""
+        if self.failure is not None:
+            return
+        if isinstance(error, BaseException):
+            self.failure = f"{where} failed: {type(error).__name__}: {error}"
+            self.cause = error
+        else:
+            self.failure = error
+        self.drop_state()
+
+    def drop_state(self) -> None:
+        for store in (self.inputs, self.outputs, self.losses, self.grads_in, self.grads_out):
+            store.clear()
