@@ -310,7 +310,7 @@ def memory_job(config: Config, case: str) -> dict[str, float]:
 def two_process_job(config: Config) -> dict[str, Any]:
     """One of the 2 processes: stage `rank` of every pipeline, and the single-process baseline on rank 0."""
     torch.set_num_threads(1)  # two processes then own one core each
-    repl = rp.Replicator(stages=STAGES, chunks=config.chunks, schedule="gpipe", checkpoint="never")
+    repl = rp.Replicator(stages=STAGES, chunks=config.chunks, schedule="gpipe", recompute="never")
     rank = dist.get_rank()
     batches = make_batches(config)
     sanity = first_step_sanity(repl, config, batches[0])

@@ -51,7 +51,8 @@ def make_model(case: str) -> torch.nn.Module:
     if case == "reentrant":
         return SharedInCheckpoints()
     if case == "batchnorm":
-        return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                   torch.nn.Linear(16, 3))
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     if case == "frozen":
         model[0].requires_grad_(False)  # a frozen backbone: never sent, never updated
@@ -256,7 +257,8 @@ def test_plain_batchnorm_statistics_are_averaged_over_replicas() -> None:
             for replica, result in enumerate(results):
                 got = result[drifted_key][index]
                 assert torch.allclose(got, expected, atol=1e-6, rtol=0), (
-                    f"{drifted_key}: replica {replica} buffer {index} is off the replicas' mean by {(got - expected).abs().max():.3g}"
+                    f"{drifted_key}: replica {replica} buffer {index} is off the replicas' mean by "
+                    f"{(got - expected).abs().max():.3g}"
                 )
                 assert torch.equal(got, results[0][drifted_key][index]), "every replica must hold the same bits"
     assert all(int(r["after_run"][2]) == STEPS for r in results), "num_batches_tracked stays a count, not a mean"

@@ -1,4 +1,4 @@
-"""Numerical health: NaN losses raise or skip alike everywhere, diverged parameters are caught, trails name stragglers."""
+"""Numerical health: NaN losses raise or skip alike, diverged parameters are caught, trails name stragglers."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ class StageHooks:
 
     no_sync: Callable[[], AbstractContextManager[Any]] | None = None  # around every backward but the last
     hold_gradients: Callable[[], AbstractContextManager[Any]] | None = None  # around the whole train_step
-    agree_on_outcome: Callable[[str], None] | None = None  # same text on every replica, or it raises
+    agree_on_outcome: Callable[[str], object] | None = None  # same text on every replica, or it raises
     release_gradients: Callable[[], None] | None = None  # after a successful agreement
 
 
