@@ -17,6 +17,8 @@ demo: $(STAMP)
 	$(BIN)/replicator demo
 
 test: $(STAMP)
+	$(BIN)/ruff check replicator tests benchmarks scripts examples
+	$(BIN)/mypy replicator
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)
