@@ -10,7 +10,7 @@ into 2 stages with M = 8 micro-batches per mini-batch. Inside that job the conte
 turns, phase after phase, the order rotating every repetition, so background load hits
 them alike; figures are medians over the repetitions:
 
-- replicator, checkpoint="never" (the throughput contender) and checkpoint="always";
+- replicator, recompute="never" (the throughput contender) and recompute="always";
 - torch.distributed.pipelining: PipelineStage + ScheduleGPipe on the same split modules,
   the same micro-batches and the same loss (cross-entropy averaged per micro-batch);
 - one process, 1 thread, the whole model: on the whole mini-batch, and on its 8
@@ -266,7 +266,7 @@ def peak_memory(step: Callable[[], None]) -> float:
     return peak / 2**20
 
 
-MEMORY_CASES = ("replicator checkpoint=never", "replicator checkpoint=except_last", "replicator checkpoint=always",
+MEMORY_CASES = ("replicator recompute=never", "replicator recompute=except_last", "replicator recompute=always",
                 "torch ScheduleGPipe")
 
 
@@ -319,14 +319,14 @@ def two_process_job(config: Config) -> dict[str, Any]:
         pipe = repl.pipeline(make_layers(config), balance=config.balance)
         optimizer = repl.wrap_optimizer(make_optimizer(pipe, config))
     timed_steps: list[tuple[float, float, list[Event]]] = []
-    contenders = [replicator_contender(pipe, optimizer, 'replicator, checkpoint="never"', timed_steps)]
+    contenders = [replicator_contender(pipe, optimizer, 'replicator, recompute="never"', timed_steps)]
     always = build_pipeline(
         make_layers(config), stage_id=repl.stage_id, num_stages=STAGES, balance=config.balance,
         stage_ranks=repl.groups.stage_ranks, stage_group=repl.groups.stage, chunks=config.chunks, recompute="always",
         record=False,
     )
     contenders.append(
-        replicator_contender(always, make_optimizer(always, config), 'replicator, checkpoint="always"', None)
+        replicator_contender(always, make_optimizer(always, config), 'replicator, recompute="always"', None)
     )
     peer_module = nn.Sequential(*make_layers(config)[stage_slice(config, repl.stage_id)])
     contenders.append(torch_contender(peer_module, repl.stage_id, config)[0])
@@ -425,7 +425,7 @@ def report(config: Config, results: list[dict[str, Any]], memory: dict[str, list
     first = results[0]
     figures = first["figures"]
     medians = {name: statistics.median(f["rate"]) for name, f in figures.items()}
-    peer, ours = "torch ScheduleGPipe", 'replicator, checkpoint="never"'
+    peer, ours = "torch ScheduleGPipe", 'replicator, recompute="never"'
     whole, micro = "1 process, whole batch", f"1 process, {config.chunks} micro-batches accumulated"
     K, M = STAGES, config.chunks
     ideal = K * M / (M + K - 1)
@@ -469,7 +469,7 @@ def report(config: Config, results: list[dict[str, Any]], memory: dict[str, list
     bubble = bubbles(steps, M)
     expected = (K - 1) / (M + K - 1)
     timed = len(bubble["idle, mean of the stages, of the schedule span"])
-    lines += ["", f"bubble (replicator, checkpoint=\"never\", {timed} "
+    lines += ["", f"bubble (replicator, recompute=\"never\", {timed} "
               f"timed steps; medians), expected (K-1)/(M+K-1) = {expected:.1%}:"]
     for name, values in bubble.items():
         shown = f"{statistics.median(values):.2f}" if "ms" in name.split() else f"{statistics.median(values):.1%}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 
 __all__: list[str] = []
 
@@ -22,13 +21,13 @@ MAX_RESTARTS = "REPLICATOR_MAX_RESTARTS"  # the launcher's --max-restarts, for t
 _TRUE = ("1", "true", "yes", "on")
 
 
-def _flag(name: str, default: bool, env: Mapping[str, str] | None = None) -> bool:
-    value = (os.environ if env is None else env).get(name, "")
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "")
     return default if value == "" else value.lower() in _TRUE
 
 
-def _number(name: str, default: float, env: Mapping[str, str] | None = None) -> float:
-    value = (os.environ if env is None else env).get(name, "")
+def _number(name: str, default: float) -> float:
+    value = os.environ.get(name, "")
     if value == "":
         return default
     try:

@@ -139,7 +139,7 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
 
 def _gpipe_order(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
     # Backward runs last micro-batch first: its activations are the freshest, which is
-    # why checkpoint="except_last" can skip re-materialising it.
+    # why recompute="except_last" can skip re-materialising it.
     return [F(i) for i in range(num_microbatches)] + [B(i) for i in reversed(range(num_microbatches))]
 
 

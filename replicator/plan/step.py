@@ -67,7 +67,7 @@ class Accelerator:
     happens: 1 where communication has resources of its own (a GPU's all-reduce moves data
     while kernels run), towards 0 where it needs the cycles the backward pass is using (Gloo's
     copies and the kernel's network stack on CPU cores that other work also keeps busy), so
-    that it adds to the step instead of hiding under it (docs/cluster.md measures both).
+    that it adds to the step instead of hiding under it (docs/results.md measures both).
     """
 
     peak_flops: float

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from replicator.plan.cli import add_arguments, main
+from replicator.cli.plan import add_arguments, main
 
 import replicator as rp
 from replicator.plan import presets

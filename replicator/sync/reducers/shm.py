@@ -92,28 +92,11 @@ class SharedMemorySum:
     them when they share one node; with `per_node`, over each node's, with one all-reduce
     across nodes in the middle (the two-level hierarchy of PowerAI DDL, shared memory inside).
 
-    Each replica's tensor is its own row of a shared mapping: a bucket allocated through
-    `allocate` already is one, anything else is copied into a staging row first. After a barrier,
-    replica i adds slice i of every other row into slice i of its own, then writes that sum
-    into slice i of every other row (a reduce-scatter and an all-gather with no sockets, no
-    kernel copies and no copy out); after a second barrier each replica's row holds the whole
-    sum. No third barrier is needed: replica i touches another row only between the two
-    barriers of a sum, and its owner writes it again only after the second.
-    The barriers are messages on a LocalLink among the node's replicas (tiny Gloo messages on
-    the reducer's own group where there is none), so a missing replica still ends in a
-    timeout or a closed connection, not a hang. The first bucket of an optimizer step needs no first
-    barrier of its own: the synchronizer's check that every replica opened the same step's
-    gradient sync completes only once every replica has loaded that bucket, and `sum_after`
-    takes that completion instead.
-    Each slice is summed by one replica and written to all, so every replica ends with
-    identical bits.
-
-    Across nodes, local replica i's summed slice is all-reduced with the replicas holding
-    slice i on the other nodes, all local replicas in parallel: each sends 1/L of the buffer
-    over the network instead of a flat ring's whole. It goes in chunks of `chunk_bytes` of
-    that slice (HierarchicalSum counts its chunks in the whole buffer), each chunk written into
-    the peers' rows as soon as it comes back, so that the additions and the writes hide under
-    the trips of other chunks across the network; one node barrier at the end, as on one node.
+    Each replica's tensor is a row of a shared mapping; between two barriers (messages on the
+    node's LocalLink) replica i sums slice i of every row into its own and writes it back to
+    all, so every replica ends with identical bits. Across nodes each local replica all-reduces
+    its slice in chunks of `chunk_bytes`. Why two barriers suffice, why the first bucket needs
+    none of its own, and how chunks overlap: docs/design.md, 'Shared-memory summation'.
     """
 
     def __init__(self, groups: ProcessGroups, timeout_s: float, per_node: int | None = None,
