@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from replicator.topology import Mesh
 
 __all__ = ["Layout"]
 
 
-@dataclass(frozen=True)
-class Layout:
+class Layout(NamedTuple):
     """Where this process sits: replica `replica` of `num_replicas`, pipeline stage `stage` of `num_stages`."""
 
     replica: int = 0

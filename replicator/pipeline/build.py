@@ -25,9 +25,9 @@ def agreed_balance(
     num_stages: int,
     balance: Balance,
     *,
+    group: dist.ProcessGroup | None = None,  # what this adds to partition.resolve_balance
     sample: Any = None,
     device: torch.device | str | None = None,
-    group: dist.ProcessGroup | None = None,
 ) -> list[int]:
     """Layer counts per stage, identical on every process of `group`.
 
@@ -65,23 +65,26 @@ def agreed_balance(
 def build_pipeline(
     modules: nn.Sequential | Sequence[nn.Module],
     *,
+    # How the model is cut, and which piece this process keeps:
     stage_id: int,
     num_stages: int,
     balance: Balance = "params",
+    sample: Any = None,
+    balance_group: dist.ProcessGroup | None = None,
+    deferred_batchnorm: bool = False,
+    # Where the stage sits:
     stage_ranks: Sequence[int] | None = None,
     stage_group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+    replica: int = 0,
+    # How it runs a step:
     chunks: int = 1,
     schedule: str | Schedule = "gpipe",
     recompute: str = "except_last",
-    device: torch.device | str | None = None,
-    sample: Any = None,
-    deferred_batchnorm: bool = False,
-    balance_group: dist.ProcessGroup | None = None,
-    replica: int = 0,
-    record: bool = True,
+    checkpoint: str | None = None,
     hooks: StageHooks | None = None,
     no_sync: Callable[[], AbstractContextManager[Any]] | None = None,
-    checkpoint: str | None = None,
+    record: bool = True,
 ) -> PipelineStage:
     """Split `modules` into `num_stages` stages and return stage `stage_id` as a PipelineStage.
 
@@ -89,10 +92,10 @@ def build_pipeline(
     keeps its own stage and the others can be dropped. Args as in PipelineStage, plus:
         balance: layer counts per stage, "params" or "time" (profiles on `sample`).
         sample: a batch for the first layer, needed by balance="time".
-        deferred_batchnorm: replace nn.BatchNorm1d/2d/3d by DeferredBatchNorm, whose running
-            statistics are those of the whole mini-batch (GPipe); default: per micro-batch.
         balance_group: a group spanning every process of the job (ProcessGroups.control) so
             that a timed balance is the same for all replicas; default: stage_group.
+        deferred_batchnorm: replace nn.BatchNorm1d/2d/3d by DeferredBatchNorm, whose running
+            statistics are those of the whole mini-batch (GPipe); default: per micro-batch.
         hooks: what the job does around a training step (StageHooks); `no_sync=` is
             folded into them, as PipelineStage does.
         checkpoint: the deprecated name of `recompute` (a DeprecationWarning).

@@ -6,6 +6,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from replicator.plan._checks import raise_if
+
 __all__ = [
     "Level",
     "ring_reduce_scatter",
@@ -39,14 +41,11 @@ class Level:
     name: str = ""
 
     def __post_init__(self) -> None:
-        if self.size < 1:
-            raise ValueError(f"level {self.name or '?'}: size must be >= 1, got {self.size}")
-        if self.bandwidth <= 0:
-            raise ValueError(f"level {self.name or '?'}: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
-        if self.latency < 0:
-            raise ValueError(f"level {self.name or '?'}: latency must be >= 0 s, got {self.latency}")
-        if self.shared_by < 1:
-            raise ValueError(f"level {self.name or '?'}: shared_by must be >= 1, got {self.shared_by}")
+        level = f"level {self.name or '?'}"
+        raise_if(self.size < 1, f"{level}: size must be >= 1, got {self.size}")
+        raise_if(self.bandwidth <= 0, f"{level}: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
+        raise_if(self.latency < 0, f"{level}: latency must be >= 0 s, got {self.latency}")
+        raise_if(self.shared_by < 1, f"{level}: shared_by must be >= 1, got {self.shared_by}")
 
     @property
     def per_gpu_bandwidth(self) -> float:

@@ -123,17 +123,24 @@ class PublishedCase:
         return predict(self.workload(), accelerator, cluster, self.gpus, self.algorithm, bucket or self.bucket)
 
 
+def _horovod_benchmark(key: str, model: str, source: str) -> PublishedCase:
+    """One network of Horovod's published benchmark: the same system, batch and result for each."""
+    return PublishedCase(
+        key=key, system="Horovod (TensorFlow, NCCL 2)", model=model, batch_per_gpu=64,
+        # 128 servers × 4 Pascal GPUs on PCIe, RoCE 25 Gbit/s between them.
+        gpus=512, gpus_per_node=4, accelerator=P100_PCIE_FP32, intra=PCIE3_X16, inter=ROCE_25G,
+        algorithm=ReduceAlgorithm("flat-ring", "ring", reducer="flat"),
+        published_efficiency=0.90,
+        source=source,
+        batch_source="Horovod docs/benchmarks: tf_cnn_benchmarks.py --batch_size 64 (per GPU)",
+    )
+
+
 PUBLISHED_CASES: tuple[PublishedCase, ...] = (
     PublishedCase(
-        key="ddl-resnet50",
-        system="IBM PowerAI DDL (Caffe)",
-        model="resnet50",
-        gpus=256,
-        gpus_per_node=4,
-        accelerator=P100_SXM2_FP32,
-        intra=NVLINK1_GPU_PAIR,
-        inter=INFINIBAND_EDR,
-        batch_per_gpu=32,
+        key="ddl-resnet50", system="IBM PowerAI DDL (Caffe)", model="resnet50", batch_per_gpu=32,
+        # 64 S822LC servers × 4 P100 on NVLink, InfiniBand EDR between them.
+        gpus=256, gpus_per_node=4, accelerator=P100_SXM2_FP32, intra=NVLINK1_GPU_PAIR, inter=INFINIBAND_EDR,
         # DDL's multi-ring: rings inside the node, then across nodes on the shards.
         algorithm=ReduceAlgorithm("hierarchical", "hierarchical", reducer="hierarchical"),
         published_efficiency=0.95,
@@ -142,36 +149,14 @@ PUBLISHED_CASES: tuple[PublishedCase, ...] = (
         batch_source="assumption: 32 per GPU (8192 in all), the setting of Goyal et al. (arXiv 1706.02677) that "
                      "DDL compares itself against; not re-checked against the DDL text",
     ),
-    PublishedCase(
-        key="horovod-resnet101",
-        system="Horovod (TensorFlow, NCCL 2)",
-        model="resnet101",
-        gpus=512,
-        gpus_per_node=4,
-        accelerator=P100_PCIE_FP32,
-        intra=PCIE3_X16,
-        inter=ROCE_25G,
-        batch_per_gpu=64,
-        algorithm=ReduceAlgorithm("flat-ring", "ring", reducer="flat"),
-        published_efficiency=0.90,
+    _horovod_benchmark(
+        "horovod-resnet101", "resnet101",
         source="Sergeev & Del Balso, Horovod, arXiv 1802.05799, and Horovod docs/benchmarks: 128 servers × 4 Pascal "
                "GPUs, RoCE 25 Gbit/s, 90% scaling efficiency for ResNet-101 and Inception V3",
-        batch_source="Horovod docs/benchmarks: tf_cnn_benchmarks.py --batch_size 64 (per GPU)",
     ),
-    PublishedCase(
-        key="horovod-inception3",
-        system="Horovod (TensorFlow, NCCL 2)",
-        model="inception_v3",
-        gpus=512,
-        gpus_per_node=4,
-        accelerator=P100_PCIE_FP32,
-        intra=PCIE3_X16,
-        inter=ROCE_25G,
-        batch_per_gpu=64,
-        algorithm=ReduceAlgorithm("flat-ring", "ring", reducer="flat"),
-        published_efficiency=0.90,
+    _horovod_benchmark(
+        "horovod-inception3", "inception_v3",
         source="Sergeev & Del Balso, Horovod, arXiv 1802.05799, and Horovod docs/benchmarks (as above)",
-        batch_source="Horovod docs/benchmarks: tf_cnn_benchmarks.py --batch_size 64 (per GPU)",
     ),
 )
 

@@ -6,6 +6,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from replicator.plan._checks import raise_if
+
 __all__ = [
     "BACKWARD_PER_FORWARD",
     "Workload",
@@ -41,16 +43,12 @@ class Workload:
     activation_bytes_per_sample: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.params <= 0:
-            raise ValueError(f"params must be > 0, got {self.params}")
-        if self.flops_per_sample <= 0:
-            raise ValueError(f"flops_per_sample must be > 0, got {self.flops_per_sample}")
-        if self.batch_per_gpu < 1:
-            raise ValueError(f"batch_per_gpu must be >= 1, got {self.batch_per_gpu}")
-        if self.gradient_bytes < 1:
-            raise ValueError(f"gradient_bytes must be >= 1, got {self.gradient_bytes}")
-        if self.activation_bytes_per_sample < 0:
-            raise ValueError(f"activation_bytes_per_sample must be >= 0, got {self.activation_bytes_per_sample}")
+        raise_if(self.params <= 0, f"params must be > 0, got {self.params}")
+        raise_if(self.flops_per_sample <= 0, f"flops_per_sample must be > 0, got {self.flops_per_sample}")
+        raise_if(self.batch_per_gpu < 1, f"batch_per_gpu must be >= 1, got {self.batch_per_gpu}")
+        raise_if(self.gradient_bytes < 1, f"gradient_bytes must be >= 1, got {self.gradient_bytes}")
+        raise_if(self.activation_bytes_per_sample < 0,
+                 f"activation_bytes_per_sample must be >= 0, got {self.activation_bytes_per_sample}")
 
     @property
     def gradient_size(self) -> float:
@@ -75,12 +73,9 @@ class Accelerator:
     overlap: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.peak_flops <= 0:
-            raise ValueError(f"peak_flops must be > 0, got {self.peak_flops}")
-        if not 0 < self.efficiency <= 1:
-            raise ValueError(f"efficiency must be in (0, 1], got {self.efficiency}")
-        if not 0 <= self.overlap <= 1:
-            raise ValueError(f"overlap must be in [0, 1], got {self.overlap}")
+        raise_if(self.peak_flops <= 0, f"peak_flops must be > 0, got {self.peak_flops}")
+        raise_if(not 0 < self.efficiency <= 1, f"efficiency must be in (0, 1], got {self.efficiency}")
+        raise_if(not 0 <= self.overlap <= 1, f"overlap must be in [0, 1], got {self.overlap}")
 
     @property
     def achieved_flops(self) -> float:

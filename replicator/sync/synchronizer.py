@@ -105,12 +105,8 @@ class GradientSynchronizer:
         bucket, position = self._location[id(param)]
         if bucket.launched or position in bucket.ready or self._reduced:
             # A second gradient in this window: finish this round, then reduce afresh.
-            self._flush()
-            self._wait_all()
-            for each in self.buckets:
-                each.reset()
-            self._next_bucket = 0
-            self._reduced = False
+            self._finish_round()
+            self._start_round()
         bucket.load(position, self._scale())
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].complete:
             self._launch(self.buckets[self._next_bucket])
@@ -134,13 +130,21 @@ class GradientSynchronizer:
         bucket.pending = self.reducer.reduce(bucket.buffer, self.group, bucket)  # type: ignore[arg-type]
         self._next_bucket = bucket.index + 1
 
-    def _flush(self) -> None:
-        """Launch every bucket not yet launched this round, in order, with what it has."""
+    def _finish_round(self) -> None:
+        """Launch every bucket not yet launched this round, in order, with what it has; wait for them all."""
         for bucket in self.buckets[self._next_bucket :]:
             for position in range(len(bucket.params)):
                 if position not in bucket.ready:
                     bucket.load(position, self._scale())
             self._launch(bucket)
+        self._wait_all()
+
+    def _start_round(self) -> None:
+        """Empty buckets, none launched, nothing reduced: the next gradient starts a new round."""
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_bucket = 0
+        self._reduced = False
 
     def _wait_all(self) -> None:
         started = time.perf_counter()
@@ -180,8 +184,7 @@ class GradientSynchronizer:
                     torch._foreach_div_(grads, float(self.state.accumulation))
             self._reduced = True
             return
-        self._flush()
-        self._wait_all()
+        self._finish_round()
         for bucket in self.buckets:
             # Counts are read back only where this replica had no gradient of its own.
             counts = None if all(bucket.flags) else bucket.presence().tolist()
@@ -214,13 +217,9 @@ class GradientSynchronizer:
         the same collectives whether or not its own backward reached every bucket.
         """
         if discard and self._window_open:
-            self._flush()
-            self._wait_all()
-        for bucket in self.buckets:
-            bucket.reset()
-        self._next_bucket = 0
+            self._finish_round()
+        self._start_round()
         self._window_open = False
-        self._reduced = False
         self._finalize_pass = None  # one that raised before its end never ran its callback
 
     def remove(self) -> None:
