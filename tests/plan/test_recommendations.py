@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from replicator.cli.plan import add_arguments, main
 
 import replicator as rp
+from replicator.cli.plan import add_arguments, main
 from replicator.plan import presets
 from replicator.plan.planner import (
     REDUCERS,
