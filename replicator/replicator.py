@@ -83,34 +83,29 @@ class Replicator:
         if nonfinite not in NONFINITE_POLICIES:
             policies = ", ".join(map(repr, NONFINITE_POLICIES))
             raise ReplicatorUsageError(f"nonfinite={nonfinite!r} is not one of {policies}")
-        self.job = Job.start(stages=stages, timeout_s=timeout_s, debug=debug)
+        self.job = job = Job.start(stages=stages, timeout_s=timeout_s, debug=debug)
+        # Who am I, read off the job once: none of it changes while the job lives.
+        self.topology, self.groups, self.device, self.context = job.topology, job.groups, job.device, job.context
+        mesh = job.mesh
+        self.replica_id, self.num_replicas, self.stage_id = mesh.replica_id, mesh.num_replicas, mesh.stage_id
+        self.agreement, self.debug = job.agreement, job.debug
+        self.is_main = job.topology.rank == 0  # the one process that should log, print and save
         self.num_stages, self.chunks, self.schedule, self.recompute = stages, chunks, schedule, recompute
         self.nonfinite = nonfinite
-        self.reducer = make_reducer(reducer, self.groups, timeout_s=self.job.timeout_s, device=self.device)
-        self.job.close_with(self.reducer)
+        self.reducer = make_reducer(reducer, self.groups, timeout_s=job.timeout_s, device=self.device)
+        job.close_with(self.reducer)
         self.optimizers = SyncedOptimizers(
-            context=self.context, group=self.groups.replica, agreement=self.job.replica_agreement,
+            context=self.context, group=self.groups.replica, agreement=job.replica_agreement,
             reducer=self.reducer, bucket_cap_bytes=int(bucket_cap_mb * (1 << 20)), nonfinite=nonfinite,
-            debug=self.job.debug, is_main=self.is_main,
+            debug=job.debug, is_main=self.is_main,
         )
+        self.skipped_steps = self.optimizers.skipped_steps  # steps whose update nonfinite="skip" dropped
         self.models = ModelScope(self.groups, self.device)
         self.last_run: dict[str, Any] = {}
         self._stages: list[PipelineStage] = []
         self._input = InputPosition()
         self._restored = False
         self._checked_identical = False  # run() compares the replicas' parameters once
-
-    # -- who am I: read off the job ----------------------------------------------------
-    topology = property(lambda self: self.job.topology)
-    groups = property(lambda self: self.job.groups)
-    device = property(lambda self: self.job.device)
-    context = property(lambda self: self.job.context)
-    agreement = property(lambda self: self.job.agreement)
-    debug = property(lambda self: self.job.debug)
-    replica_id = property(lambda self: self.job.mesh.replica_id)
-    num_replicas = property(lambda self: self.job.mesh.num_replicas)
-    stage_id = property(lambda self: self.job.mesh.stage_id)
-    skipped_steps = property(lambda self: self.optimizers.skipped_steps)
 
     @property
     def global_step(self) -> int:
@@ -120,11 +115,6 @@ class Replicator:
     @global_step.setter
     def global_step(self, step: int) -> None:
         self.optimizers.state.step = step
-
-    @property
-    def is_main(self) -> bool:
-        """True on the one process that should log, print and save (global rank 0)."""
-        return self.job.topology.rank == 0
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on the main process only."""

@@ -12,8 +12,9 @@ class GradientState:
     """How the job's backward passes relate to its updates, shared by every wrapped optimizer.
 
     `accumulation` micro-steps (step_fn calls) make one update; inside `no_sync()` blocks
-    (`no_sync_depth > 0`) backward passes accumulate locally. `step` is the training step
-    being run, for messages and the record of skipped updates.
+    (`no_sync_depth > 0`) backward passes accumulate locally. `step` counts the training's
+    completed steps (`repl.global_step`; during step_fn, the step being run): the step loop
+    advances it, and skipped updates and error messages name it.
     """
 
     accumulation: int = 1
