@@ -48,8 +48,11 @@ def debug() -> bool:
 
 def threads() -> int | None:
     """Torch threads per process that the launcher chose (REPLICATOR_THREADS), if any."""
-    value = _number(THREADS, 0)
-    return int(value) if value > 0 else None
+    value = os.environ.get(THREADS, "")
+    try:
+        return int(value) if value else None
+    except ValueError as error:
+        raise ValueError(f"environment variable {THREADS}={value!r} is not a whole number of threads") from error
 
 
 def progress() -> bool:

@@ -10,20 +10,50 @@ from torch.utils import _pytree as pytree
 
 __all__: list[str] = []
 
+_CONTAINERS = (dict, list, tuple)
+
+
+def _opaque_container(value: Any) -> bool:
+    """A subclass of dict, list or tuple (a `class Batch(dict)`) that pytree would take for one leaf."""
+    return (isinstance(value, _CONTAINERS) and type(value) not in pytree.SUPPORTED_NODES
+            and not hasattr(type(value), "_fields"))  # namedtuples are nodes, registered or not
+
+
+def plain(tree: Any) -> Any:
+    """`tree` with such containers turned into plain dicts, lists and tuples, so that every walk goes into them."""
+    if not any(_opaque_container(leaf) for leaf in pytree.tree_leaves(tree)):
+        return tree
+
+    def opened(leaf: Any) -> Any:
+        if not _opaque_container(leaf):
+            return leaf
+        base = next(kind for kind in _CONTAINERS if isinstance(leaf, kind))
+        return plain(base(leaf))
+
+    return pytree.tree_map(opened, tree)
+
+
+def flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    """The leaves of `tree`, depth first, and its structure (for `pytree.tree_unflatten`)."""
+    return pytree.tree_flatten(plain(tree))
+
 
 def tensors(tree: Any) -> list[torch.Tensor]:
     """Every tensor in `tree`, depth first, in order."""
-    return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+    return [leaf for leaf in flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
-    """`tree` with `fn` applied to each tensor; containers keep their types, other leaves stay."""
-    return pytree.tree_map_only(torch.Tensor, fn, tree)
+    """`tree` with `fn` applied to each tensor; containers keep their types, other leaves stay.
+
+    Subclasses of dict, list and tuple that pytree does not know come back as their base type.
+    """
+    return pytree.tree_map_only(torch.Tensor, fn, plain(tree))
 
 
 def leaves_with_paths(tree: Any, root: str) -> Iterator[tuple[str, Any]]:
     """Each leaf with where it sits, written as `root['key'][0]`, for error messages."""
-    for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+    for path, leaf in pytree.tree_flatten_with_path(plain(tree))[0]:
         yield root + pytree.keystr(path), leaf
 
 

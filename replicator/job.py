@@ -44,7 +44,7 @@ class Job:
         """Discover this process's place, join the job's process groups and connect the links."""
         topology = discover()
         threads = _env.threads()
-        if threads:
+        if threads is not None:
             torch.set_num_threads(threads)
         timeout_s = _env.timeout_s() if timeout_s is None else timeout_s
         debug = _env.debug() if debug is None else debug

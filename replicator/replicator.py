@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +18,7 @@ from replicator.health import NONFINITE_POLICIES, require_identical
 from replicator.inputs import ReplicatedInput
 from replicator.job import Job
 from replicator.loop import Checkpointer, InputPosition, Observer, StepLoop, check_run_arguments
+from replicator.pipeline.recompute import resolve_recompute
 from replicator.scope import ModelScope
 from replicator.sync.buffers import average_buffers
 from replicator.sync.optimizer import SyncedOptimizers
@@ -74,15 +74,11 @@ class Replicator:
         nonfinite: str = "raise",
         checkpoint: str | None = None,
     ) -> None:
-        if checkpoint is not None:
-            warnings.warn("Replicator(checkpoint=...) is now recompute=...: it re-materializes activations, while "
-                          "checkpoints are saved state (run(checkpoint_every=...))", DeprecationWarning, stacklevel=2)
-            recompute = checkpoint
+        recompute = resolve_recompute(recompute, checkpoint)  # checkpoint= warns: saved state is run(checkpoint_*)
         if stages < 1 or chunks < 1:
             raise ReplicatorUsageError(f"stages and chunks must be at least 1, got stages={stages}, chunks={chunks}")
         if nonfinite not in NONFINITE_POLICIES:
-            policies = ", ".join(map(repr, NONFINITE_POLICIES))
-            raise ReplicatorUsageError(f"nonfinite={nonfinite!r} is not one of {policies}")
+            raise ReplicatorUsageError(f"nonfinite={nonfinite!r} is not one of {NONFINITE_POLICIES}")
         self.job = job = Job.start(stages=stages, timeout_s=timeout_s, debug=debug)
         # Who am I, read off the job once: none of it changes while the job lives.
         self.topology, self.groups, self.device, self.context = job.topology, job.groups, job.device, job.context
@@ -91,7 +87,6 @@ class Replicator:
         self.agreement, self.debug = job.agreement, job.debug
         self.is_main = job.topology.rank == 0  # the one process that should log, print and save
         self.num_stages, self.chunks, self.schedule, self.recompute = stages, chunks, schedule, recompute
-        self.nonfinite = nonfinite
         self.reducer = make_reducer(reducer, self.groups, timeout_s=job.timeout_s, device=self.device)
         job.close_with(self.reducer)
         self.optimizers = SyncedOptimizers(
@@ -106,6 +101,17 @@ class Replicator:
         self._input = InputPosition()
         self._restored = False
         self._checked_identical = False  # run() compares the replicas' parameters once
+
+    @property
+    def nonfinite(self) -> str:
+        """What a NaN or infinite output or averaged gradient does: "raise", "skip" or "ignore"."""
+        return self.optimizers.nonfinite
+
+    @nonfinite.setter
+    def nonfinite(self, policy: str) -> None:
+        if policy not in NONFINITE_POLICIES:
+            raise ReplicatorUsageError(f"nonfinite={policy!r} is not one of {NONFINITE_POLICIES}")
+        self.optimizers.nonfinite = policy
 
     @property
     def global_step(self) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from replicator._tree import leaves_with_paths
+from replicator._tree import flatten, leaves_with_paths
 
 __all__ = ["shared_batch_size", "microbatch_sizes", "scatter", "gather"]
 
@@ -62,7 +62,7 @@ def scatter(value: Any, chunks: int) -> list[Any]:
         )
     sizes = microbatch_sizes(size, chunks)
     starts = [sum(sizes[:i]) for i in range(chunks)]
-    leaves, spec = pytree.tree_flatten(value)
+    leaves, spec = flatten(value)
     return [
         pytree.tree_unflatten(
             [leaf.narrow(0, start, length) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf
@@ -80,10 +80,10 @@ def gather(values: Sequence[Any]) -> Any:
     """
     if not values:
         raise ValueError("gather() needs at least one micro-batch output")
-    first_leaves, spec = pytree.tree_flatten(values[0])
+    first_leaves, spec = flatten(values[0])
     columns: list[list[Any]] = [[leaf] for leaf in first_leaves]
     for index, value in enumerate(values[1:], start=1):
-        leaves, other = pytree.tree_flatten(value)
+        leaves, other = flatten(value)
         if other != spec:
             raise TypeError(
                 "cannot join micro-batch outputs whose structure differs between micro-batches: micro-batch 0 holds "

@@ -66,6 +66,15 @@ def test_levels_follow_nodes_and_stages() -> None:
 
 def test_one_process_gets_the_flat_reducer_and_objects_need_reduce() -> None:
     assert isinstance(make_reducer("powersgd:4"), FlatReducer)
+
+    class TwoArguments:
+        name = "mine"
+
+        def reduce(self, buffer: torch.Tensor, group: Any) -> Any:
+            return ("called", buffer.numel())
+
+    with pytest.raises(TypeError, match=r"reduce\(buffer, group, bucket\)"):
+        make_reducer(TwoArguments())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="reduce"):
         make_reducer(object())  # type: ignore[arg-type]
 

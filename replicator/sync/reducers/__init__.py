@@ -8,6 +8,7 @@ The shape of torch's `ddp_comm_hooks`: this registry on top, one module per redu
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -109,9 +110,9 @@ def make_reducer(spec: str | Reducer, groups: ProcessGroups | None = None, *, ti
     live (default CPU); 'auto' sums through shared memory only for host gradients.
     """
     if not isinstance(spec, str):
-        if not callable(getattr(spec, "reduce", None)):
-            raise TypeError(
-                f"a reducer is a name or an object with a reduce(buffer, group, bucket) method, got {spec!r}")
+        if not _has_reduce(spec):
+            raise TypeError(f"a reducer is a name or an object with a reduce(buffer, group, bucket) method, got "
+                            f"{spec!r} (an older reduce(buffer, group) needs a third, ignored argument)")
         return spec
     parsed = parse_reducer(spec)
     if groups is None:
@@ -177,3 +178,17 @@ def _every_process_shares_host_memory(groups: ProcessGroups, device: torch.devic
     if device.type != "cpu":  # the same device type on every rank: no one asks
         return False
     return everyone_agrees(host_memory_usable(device) is None, groups.control)
+
+
+def _has_reduce(reducer: object) -> bool:
+    """Checked when the reducer is given, not at its first call from inside a backward pass."""
+    reduce = getattr(reducer, "reduce", None)
+    if not callable(reduce):
+        return False
+    try:
+        inspect.signature(reduce).bind(None, None, None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to inspect (a builtin): trust it
+        return True
+    return True
