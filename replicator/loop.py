@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
-from replicator._tree import leading_size, leaves_with_paths
+from replicator._tree import flatten, leading_size, leaves_with_paths
 from replicator.comm.agreement import Agreement, PendingAgreement, Verdict
 from replicator.context import ReplicaContext
 from replicator.errors import NonFiniteError, ReplicaMismatchError, ReplicatorUsageError
@@ -267,10 +267,15 @@ def check_run_arguments(steps: int | None, checkpoint_every: int | None, checkpo
         )
 
 
+_REDUCIBLE = (torch.Tensor, bool, int, float)
+
+
 def check_output(output: Any) -> None:
     """step_fn may return tensors, numbers and (nested) dicts, lists and tuples of them."""
+    if all(leaf is None or isinstance(leaf, _REDUCIBLE) for leaf in flatten(output)[0]):
+        return  # the common case, every step: no paths to spell out
     for where, value in leaves_with_paths(output, "the output"):
-        if value is not None and not isinstance(value, (torch.Tensor, bool, int, float)):
+        if value is not None and not isinstance(value, _REDUCIBLE):
             raise ReplicatorUsageError(
                 f"step_fn returned a {type(value).__name__} at {where}, which cannot be reduced across replicas; "
                 "return tensors, numbers, or dicts/tuples/lists of them (for example ctx.all_mean(loss.detach()))"
