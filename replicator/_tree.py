@@ -35,7 +35,10 @@ def plain(tree: Any) -> Any:
 
 def flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
     """The leaves of `tree`, depth first, and its structure (for `pytree.tree_unflatten`)."""
-    return pytree.tree_flatten(plain(tree))
+    leaves, spec = pytree.tree_flatten(tree)
+    if any(_opaque_container(leaf) for leaf in leaves):  # rare: flatten once more, opened
+        return pytree.tree_flatten(plain(tree))
+    return leaves, spec
 
 
 def tensors(tree: Any) -> list[torch.Tensor]:
