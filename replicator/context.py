@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from replicator.comm import collectives
-from replicator.comm.agreement import Agreement, call_site
+from replicator.comm import all_to_all as _all_to_all
+from replicator.comm import collectives, objects
+from replicator.comm.agreement import Agreement, Verdict, call_site
 from replicator.errors import ReplicatorUsageError
 
 __all__ = ["InputContext", "ReplicaContext"]
@@ -69,19 +70,24 @@ class ReplicaContext:
         # Seconds spent blocked in collectives are reported here (the step breakdown).
         self.on_wait: Callable[[float], None] = lambda seconds: None
 
-    def _agree(self, operation: str, tensor: torch.Tensor, detail: str = "") -> None:
+    def _agree(self, operation: str, tensor: torch.Tensor, detail: str = "", values: Sequence[int] = (),
+               any_length: bool = False) -> Verdict | None:
+        """Check that every replica makes this call; `any_length`: dimension 0 may differ (it goes in
+        `values`, whose extremes over the replicas come back in the Verdict)."""
         if not isinstance(tensor, torch.Tensor):
             raise ReplicatorUsageError(
                 f"ctx.{operation} takes a torch.Tensor, got {type(tensor).__name__} "
                 f"(replica {self.replica_id}, {call_site()}); wrap numbers with torch.tensor(...)"
             )
         if self.num_replicas == 1:
-            return
+            return None
         self._sequence += 1
+        shape = (f"(*{''.join(f', {size}' for size in tensor.shape[1:])})" if any_length and tensor.dim()
+                 else str(tuple(tensor.shape)))
         # The device too: a host tensor may travel over the node's link where a GPU one takes NCCL.
-        signature = (f"ctx.{operation}#{self._sequence} shape={tuple(tensor.shape)} dtype={tensor.dtype} "
+        signature = (f"ctx.{operation}#{self._sequence} shape={shape} dtype={tensor.dtype} "
                      f"device={tensor.device.type}{detail}")
-        self._agreement.require_same(signature, call_site())
+        return self._agreement.require_same(signature, call_site(), values)
 
     def _call(self, operation: str, tensor: torch.Tensor, *args: Any, detail: str = "") -> torch.Tensor:
         started = time.perf_counter()
@@ -107,8 +113,19 @@ class ReplicaContext:
         return self._call("all_min", tensor)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every replica's tensor concatenated along dimension 0; differentiable."""
-        return self._call("all_gather", tensor)
+        """Every replica's tensor concatenated along dimension 0, in replica order; differentiable.
+
+        Dimension 0 may differ between replicas (the predictions of an uneven last batch); the
+        other dimensions, the dtype and the device must match.
+        """
+        started = time.perf_counter()
+        rows = tensor.shape[0] if isinstance(tensor, torch.Tensor) and tensor.dim() else 0
+        verdict = self._agree("all_gather", tensor, values=[rows], any_length=True)
+        # The common case, equal lengths, costs nothing more: the check above carried them.
+        lengths = None if verdict is None or verdict.unanimous else collectives.first_dims(tensor, self.group)
+        result = collectives.all_gather(tensor, self.group, lengths)
+        self.on_wait(time.perf_counter() - started)
+        return result
 
     def broadcast(self, tensor: torch.Tensor, source: int = 0) -> torch.Tensor:
         """Replica `source`'s tensor on every replica; differentiable."""
@@ -119,6 +136,54 @@ class ReplicaContext:
     def reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over replicas, split along dimension 0; replica r keeps slice r."""
         return self._call("reduce_scatter", tensor)
+
+    def all_to_all(self, tensor: torch.Tensor, input_split_sizes: _all_to_all.Splits = None,
+                   output_split_sizes: _all_to_all.Splits = None) -> torch.Tensor:
+        """Rows of `tensor` sent to each replica, rows from each received, in replica order; differentiable.
+
+        This replica sends its first `input_split_sizes[0]` rows to replica 0, the next
+        `input_split_sizes[1]` to replica 1, and so on (equal parts when left out), as
+        torch.distributed.all_to_all_single does. `output_split_sizes` (rows from each replica)
+        may be left out: it is worked out from the others' input splits, and checked when given.
+        """
+        started = time.perf_counter()
+        even = input_split_sizes is None and output_split_sizes is None
+        rows = tensor.shape[0] if isinstance(tensor, torch.Tensor) and tensor.dim() else 0
+        verdict = self._agree("all_to_all", tensor, detail=" splits=" + ("even" if even else "given"),
+                              values=[rows], any_length=True)
+        if even and (verdict is None or verdict.unanimous):
+            # Every replica cuts the same number of rows into equal parts: nothing to exchange (or to check).
+            send = receive = _all_to_all.even_routes(rows, self.num_replicas)
+        else:
+            send, receive = _all_to_all.routes(tensor, input_split_sizes, output_split_sizes, self.group)
+        result = _all_to_all.all_to_all(tensor, send, receive, self.group)
+        self.on_wait(time.perf_counter() - started)
+        return result
+
+    def all_gather_object(self, value: Any) -> list[Any]:
+        """Every replica's `value` (a config, metrics, a string), in replica order.
+
+        Values travel as JSON with their containers' types, never pickled: None, bool, int,
+        float, str, bytes, and lists, tuples and dicts of those. Anything else raises an
+        error naming where it sits in the value, on every replica.
+        """
+        started = time.perf_counter()
+        self._agree("all_gather_object", torch.empty(0, dtype=torch.uint8), any_length=True)
+        result = objects.all_gather_values(value, self.group)
+        self.on_wait(time.perf_counter() - started)
+        return result
+
+    def broadcast_object(self, value: Any = None, source: int = 0) -> Any:
+        """Replica `source`'s `value` on every replica (what the others pass is ignored); encoded
+        as all_gather_object's values are."""
+        if not 0 <= source < self.num_replicas:
+            raise ReplicatorUsageError(f"broadcast source {source} is not a replica id in [0, {self.num_replicas})")
+        started = time.perf_counter()
+        self._agree("broadcast_object", torch.empty(0, dtype=torch.uint8), detail=f" source={source}",
+                    any_length=True)
+        result = objects.broadcast_value(value, source, self.group)
+        self.on_wait(time.perf_counter() - started)
+        return result
 
 
 _active_context: ReplicaContext | None = None

@@ -8,16 +8,18 @@ what lets cross-replica batch norm be written with these functions alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from replicator.comm import dtypes
 from replicator.comm.local_link import LocalLink
 
 __all__ = ["all_sum", "all_mean", "all_max", "all_min", "all_gather", "broadcast", "reduce_scatter", "group_size",
-           "attach_link", "detach_link"]
+           "first_dims", "attach_link", "detach_link"]
 
 Group = dist.ProcessGroup | None
 
@@ -40,9 +42,12 @@ def detach_link(group: dist.ProcessGroup, link: LocalLink) -> None:
         del _links[group]
 
 
-def _link_for(group: Group, tensor: torch.Tensor) -> LocalLink | None:
-    if (group is None or tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.numel() == 0
-            or tensor.numel() * tensor.element_size() > LINK_BYTES):
+def _link_for(group: Group, tensor: torch.Tensor, nbytes: int | None = None) -> LocalLink | None:
+    """The link for `tensor`'s collective, or None for the backend. `nbytes`: the largest message
+    any member sends, where members' sizes differ (every member must decide the same)."""
+    nbytes = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
+    if (group is None or tensor.device.type != "cpu" or tensor.layout != torch.strided or nbytes == 0
+            or nbytes > LINK_BYTES):
         return None
     return _links.get(group)
 
@@ -77,9 +82,13 @@ def _reduce_rows(rows: list[torch.Tensor], op: Any) -> torch.Tensor:
 
 
 def _all_gather_into(parts: list[torch.Tensor], tensor: torch.Tensor, group: Group) -> None:
+    """`parts` (contiguous, one per member) receive every member's contiguous `tensor`."""
     link = _link_for(group, tensor)
     if link is None:
-        dist.all_gather(parts, tensor, group=group)
+        if dtypes.carried(tensor):
+            dist.all_gather(parts, tensor, group=group)
+        else:
+            dist.all_gather([dtypes.as_bytes(part) for part in parts], dtypes.as_bytes(tensor), group=group)
         return
     for part, row in zip(parts, _exchange(link, tensor)):
         part.copy_(row)
@@ -93,27 +102,60 @@ def _group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _summed(tensor: torch.Tensor, group: Group, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
-    link = _link_for(group, tensor)
+def _summed(tensor: torch.Tensor, group: Group, op: Any = dist.ReduceOp.SUM, scale: float = 1.0) -> torch.Tensor:
+    """A new tensor: the members' tensors combined by `op`, times `scale`, in `tensor`'s dtype."""
+    wide, wide_op, restore = dtypes.reducible(tensor, op)
+    link = _link_for(group, wide)
     if link is not None:
-        return _reduce_rows(_exchange(link, tensor), op)
-    result = tensor.detach().clone(memory_format=torch.contiguous_format)
-    if group is not None:
-        dist.all_reduce(result, op=op, group=group)
-    return result
+        result = _reduce_rows(_exchange(link, wide), wide_op)
+    else:
+        result = wide.detach().clone(memory_format=torch.contiguous_format)
+        if group is not None:
+            dist.all_reduce(result, op=wide_op, group=group)
+    return restore(result.mul_(scale) if scale != 1.0 else result)
+
+
+def first_dims(tensor: torch.Tensor, group: Group = None) -> list[int]:
+    """Every member's `tensor.shape[0]`, in group order."""
+    mine = torch.tensor([tensor.shape[0] if tensor.dim() else 0], dtype=torch.int64)
+    return [int(length) for length in all_gather(mine, group)]
+
+
+def _gather_uneven(tensor: torch.Tensor, lengths: Sequence[int], group: Group) -> torch.Tensor:
+    """Members' contiguous tensors whose first dimensions are `lengths`, concatenated: over the link
+    as they are, over the backend padded to the longest and trimmed."""
+    rows, longest = tensor.shape[1:], max(lengths)
+    row_bytes = math.prod(rows) * tensor.element_size()
+    link = _link_for(group, tensor, nbytes=longest * row_bytes)
+    if link is not None:
+        payloads = link.collect(link.post(dtypes.as_bytes(tensor).numpy().tobytes()))
+        parts = []
+        for at, (length, payload) in enumerate(zip(lengths, payloads)):
+            if at == link.position or length == 0:
+                parts.append(tensor if at == link.position else tensor.new_empty((0, *rows)))
+                continue
+            if len(payload) != length * row_bytes:
+                raise RuntimeError(f"replica {at} sent {len(payload)} bytes to an all_gather where {length} rows of "
+                                   f"{row_bytes} bytes were announced")
+            received = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            parts.append(received.view(tensor.dtype).view(length, *rows))
+        return torch.cat(parts, dim=0)
+    padded = tensor.new_zeros((longest, *rows))
+    padded[: tensor.shape[0]] = tensor
+    everyone = [torch.empty_like(padded) for _ in lengths]
+    _all_gather_into(everyone, padded, group)
+    return torch.cat([part[:length] for part, length in zip(everyone, lengths)], dim=0)
 
 
 class _AllSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, group: Group, scale: float) -> torch.Tensor:
         ctx.group, ctx.scale = group, scale
-        result = _summed(tensor, group)
-        return result.mul_(scale) if scale != 1.0 else result
+        return _summed(tensor, group, scale=scale)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        summed = _summed(grad, ctx.group)
-        return (summed.mul_(ctx.scale) if ctx.scale != 1.0 else summed), None, None
+        return _summed(grad, ctx.group, scale=ctx.scale), None, None
 
 
 class _AllExtreme(torch.autograd.Function):
@@ -123,8 +165,9 @@ class _AllExtreme(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, group: Group, op: Any) -> torch.Tensor:
         ctx.group = group
         result = _summed(tensor, group, op)
-        attained = (tensor.detach() == result).to(tensor.dtype)
-        ctx.save_for_backward(attained, _summed(attained, group))
+        if tensor.is_floating_point() and dtypes.carried(tensor):  # the dtypes autograd can handle here
+            attained = (tensor.detach() == result).to(tensor.dtype)
+            ctx.save_for_backward(attained, _summed(attained, group))
         return result
 
     @staticmethod
@@ -135,16 +178,20 @@ class _AllExtreme(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group, ctx.length = group, tensor.shape[0]
-        parts = [torch.empty_like(tensor) for _ in range(group_size(group))]
-        _all_gather_into(parts, tensor.detach().contiguous(), group)
+    def forward(ctx: Any, tensor: torch.Tensor, group: Group, lengths: list[int]) -> torch.Tensor:
+        ctx.group, ctx.lengths = group, lengths
+        contiguous = tensor.detach().contiguous()
+        if len(set(lengths)) > 1:
+            return _gather_uneven(contiguous, lengths, group)
+        parts = [torch.empty_like(contiguous) for _ in lengths]
+        _all_gather_into(parts, contiguous, group)
         return torch.cat(parts, dim=0)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        start = _group_rank(ctx.group) * ctx.length
-        return _summed(grad, ctx.group)[start : start + ctx.length], None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        rank = _group_rank(ctx.group)
+        start = sum(ctx.lengths[:rank])
+        return _summed(grad, ctx.group)[start : start + ctx.lengths[rank]], None, None
 
 
 class _Broadcast(torch.autograd.Function):
@@ -157,7 +204,8 @@ class _Broadcast(torch.autograd.Function):
         result = tensor.detach().clone(memory_format=torch.contiguous_format)
         members = group if group is not None else dist.group.WORLD
         assert members is not None
-        dist.broadcast(result, src=dist.get_global_rank(members, source), group=group)
+        carried = result if dtypes.carried(result) else dtypes.as_bytes(result)
+        dist.broadcast(carried, src=dist.get_global_rank(members, source), group=group)
         return result
 
     @staticmethod
@@ -181,8 +229,9 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        parts = [torch.empty_like(grad) for _ in range(group_size(ctx.group))]
-        _all_gather_into(parts, grad.contiguous(), ctx.group)
+        contiguous = grad.contiguous()
+        parts = [torch.empty_like(contiguous) for _ in range(group_size(ctx.group))]
+        _all_gather_into(parts, contiguous, ctx.group)
         return torch.cat(parts, dim=0), None
 
 
@@ -208,9 +257,22 @@ def all_min(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     return tensor if group_size(group) == 1 else _AllExtreme.apply(tensor, group, dist.ReduceOp.MIN)
 
 
-def all_gather(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Concatenate every replica's tensor along dimension 0, in replica order."""
-    return tensor if group_size(group) == 1 else _AllGather.apply(tensor, group)
+def all_gather(tensor: torch.Tensor, group: Group = None, lengths: Sequence[int] | None = None) -> torch.Tensor:
+    """Concatenate every replica's tensor along dimension 0, in replica order.
+
+    `lengths`: every replica's dimension 0, in replica order, where they may differ (an uneven
+    last batch; `first_dims` finds them); without it every replica must pass the same shape.
+    """
+    if tensor.dim() == 0:
+        raise ValueError("all_gather concatenates along dimension 0, so it needs a tensor with at least one "
+                         "dimension: pass tensor.reshape(1)")
+    size = group_size(group)
+    if lengths is not None and (len(lengths) != size or lengths[_group_rank(group)] != tensor.shape[0]):
+        raise ValueError(f"lengths {list(lengths)} do not give this replica's {tensor.shape[0]} rows among "
+                         f"{size} replicas")
+    if size == 1:
+        return tensor
+    return _AllGather.apply(tensor, group, list(lengths) if lengths is not None else [tensor.shape[0]] * size)
 
 
 def broadcast(tensor: torch.Tensor, source: int = 0, group: Group = None) -> torch.Tensor:
