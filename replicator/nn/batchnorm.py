@@ -17,8 +17,11 @@ class CrossReplicaBatchNorm(_BatchNorm):
 
     Each replica computes its count, mean and sum of squared deviations; one differentiable
     all-gather shares them and Chan's parallel formula combines them (stable where
-    E[x²]−E[x]² is not). With one replica, or in eval mode, it is ordinary batch norm.
-    The group is the replicas of the Replicator built last, unless `group` is given.
+    E[x²]−E[x]² is not). With one replica, or in eval mode, it is ordinary batch norm and
+    never communicates (as torch's SyncBatchNorm): eval uses the running statistics, or,
+    without them (`track_running_stats=False`), this replica's own batch, so one replica
+    can evaluate alone. The group is the replicas of the Replicator built last, unless
+    `group` is given.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
@@ -40,8 +43,7 @@ class CrossReplicaBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         group = self._replica_group()
-        use_batch_stats = self.training or not self.track_running_stats
-        if not use_batch_stats or collectives.group_size(group) == 1:
+        if not self.training or collectives.group_size(group) == 1:
             return super().forward(input)
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -97,19 +99,28 @@ _REPLACEMENT: dict[type[torch.nn.Module], type[CrossReplicaBatchNorm]] = {
     torch.nn.BatchNorm1d: CrossReplicaBatchNorm1d,
     torch.nn.BatchNorm2d: CrossReplicaBatchNorm2d,
     torch.nn.BatchNorm3d: CrossReplicaBatchNorm,
+    # A DDP user's model after convert_sync_batchnorm: torch's layer only runs on GPUs (and on its own group).
+    torch.nn.SyncBatchNorm: CrossReplicaBatchNorm,
 }
 
 
 def convert_batchnorm(module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> torch.nn.Module:
-    """Replace every BatchNorm1d/2d/3d in `module` by its cross-replica twin, keeping its state."""
+    """Replace every BatchNorm1d/2d/3d and SyncBatchNorm in `module` by its cross-replica twin,
+    keeping its parameters (and which of them train), buffers, device, dtype and mode."""
     replacement = _REPLACEMENT.get(type(module))
     if replacement is not None:
         assert isinstance(module, _BatchNorm)
+        state = module.state_dict()
+        like = next(iter(state.values()), None)
+        floating = next((value for value in state.values() if value.is_floating_point()), None)
         converted = replacement(module.num_features, module.eps, module.momentum, module.affine,
-                                module.track_running_stats, group=group)
-        converted.load_state_dict(module.state_dict())
+                                module.track_running_stats, group=group,
+                                device=like.device if like is not None else None,
+                                dtype=floating.dtype if floating is not None else None)
+        converted.load_state_dict(state)
         converted.train(module.training)
-        converted.to(next(iter(module.state_dict().values())).device if module.state_dict() else "cpu")
+        for name, parameter in module.named_parameters(recurse=False):
+            getattr(converted, name).requires_grad_(parameter.requires_grad)
         return converted
     for name, child in module.named_children():
         setattr(module, name, convert_batchnorm(child, group))
