@@ -163,15 +163,17 @@ class _AllExtreme(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, group: Group, op: Any) -> torch.Tensor:
-        ctx.group = group
+        ctx.group, ctx.dtype = group, tensor.dtype
         result = _summed(tensor, group, op)
-        if tensor.is_floating_point() and dtypes.carried(tensor):  # the dtypes autograd can handle here
+        if tensor.is_floating_point() and dtypes.carried(tensor):  # float8 has no == (nor much of autograd)
             attained = (tensor.detach() == result).to(tensor.dtype)
             ctx.save_for_backward(attained, _summed(attained, group))
         return result
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if not ctx.saved_tensors:
+            raise TypeError(f"all_max/all_min of {ctx.dtype} tensors has no gradient: reduce them in float32")
         attained, ties = ctx.saved_tensors
         return _summed(grad, ctx.group) * attained / ties.clamp_min(1), None, None
 

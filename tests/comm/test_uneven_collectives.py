@@ -110,6 +110,9 @@ def wrong_uneven_calls() -> list[str]:
         "input splits": lambda: ctx.all_to_all(_dispatched(me), [1, 3] if me == 0 else SENDS[me]),
         "trailing shape": lambda: ctx.all_gather(torch.zeros(2, 3 + me)),
         "no dimension": lambda: ctx.all_gather(torch.tensor(1.0)),
+        # The new collectives are agreed on like the others: replicas at different ones fail together.
+        "different collectives": lambda: (ctx.all_to_all(_dispatched(me), SENDS[me]) if me == 0
+                                          else ctx.broadcast_object("config")),
     }
     messages = []
     for name, call in calls.items():
@@ -125,10 +128,11 @@ def wrong_uneven_calls() -> list[str]:
 
 def test_inconsistent_uneven_calls_raise_on_every_replica(run_failing_fast: Any) -> None:
     for replica, messages in enumerate(run_failing_fast(wrong_uneven_calls, REPLICAS)):
-        output, inputs, trailing, scalar = messages
+        output, inputs, trailing, scalar, different = messages
         assert "replica 1 expects [3, 0]" in output and "send it [4, 0]" in output, (replica, output)
         assert "replica 0's input_split_sizes" in inputs, (replica, inputs)
         if replica == 0:
             assert "add up to 4 rows, but the tensor has 5" in inputs
         assert "shape=(*, 3)" in trailing and "shape=(*, 4)" in trailing, (replica, trailing)
         assert "at least one dimension" in scalar, (replica, scalar)
+        assert "ctx.all_to_all" in different and "ctx.broadcast_object" in different, (replica, different)
