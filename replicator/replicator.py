@@ -204,10 +204,10 @@ class Replicator:
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor | None:
-        """Clip by the global norm of the *averaged* gradients, as single-process training would.
+        """Clip by the global norm of the *averaged* gradients of all stages, as one process would.
 
-        Call it between backward and optimizer.step(). During an accumulation micro-step
-        (when no update follows) it does nothing and returns None.
+        Call it between backward and optimizer.step(), on every stage. During an accumulation
+        micro-step (when no update follows) it does nothing and returns None.
         """
         return self.optimizers.clip_grad_norm_(parameters, max_norm, norm_type, shards=self.groups.stage)
 
