@@ -117,7 +117,7 @@ def reference(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, norms
 
 
@@ -348,7 +348,25 @@ def replicated_worker() -> dict[str, Any]:
     state, _, _ = reference(nn.Sequential(*mlp_layers()), [batch(s) for s, f in enumerate(FAILING_REPLICAS) if not f])
     masks = dropout_masks(repl)
     return {"stage": repl.stage_id, "replica": repl.replica_id, "errors": errors,
-            "param_diff": stage_difference(pipe, state), "masks": masks}
+            "param_diff": stage_difference(pipe, state), "masks": masks,
+            "no_parameters": replicated_stage_without_parameters(repl)}
+
+
+def replicated_stage_without_parameters(repl: rp.Replicator) -> float:
+    """The recipe on a last stage without parameters, with replicas and clipping: as one process would train."""
+    with repl.scope():
+        pipe = repl.pipeline(parameterless_last_stage(), balance=[3, 1])
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+    mine = slice(8 * repl.replica_id, 8 * (repl.replica_id + 1))
+    for step in range(STEPS):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        pipe.train_step(x[mine], y[mine], F.nll_loss)
+        repl.clip_grad_norm_(pipe.parameters(), 0.05)
+        optimizer.step()
+    state, _, _ = reference(nn.Sequential(*parameterless_last_stage()), [batch(s) for s in range(STEPS)],
+                            F.nll_loss, clip=0.05)
+    return stage_difference(pipe, state)
 
 
 @pytest.fixture(scope="module")
@@ -367,6 +385,11 @@ def test_a_failure_on_one_replica_leaves_the_replicas_in_step(two_by_two: list[d
                             "loss_fn must return a scalar"), mixed
     assert "succeeded on replica(s) 0" in mixed and "dropped this step's gradient averaging" in mixed
     assert "failed on every replica alike" in alike and "loss_fn must return a scalar" in alike, alike
+
+
+def test_replicated_stages_without_parameters_clip_and_train_like_one_process(
+        two_by_two: list[dict[str, Any]]) -> None:
+    assert all(r["no_parameters"] < ATOL for r in two_by_two), [r["no_parameters"] for r in two_by_two]
 
 
 def test_replicas_draw_their_own_dropout_masks(two_by_two: list[dict[str, Any]]) -> None:
