@@ -18,6 +18,7 @@ from replicator.health import NONFINITE_POLICIES, require_identical
 from replicator.inputs import ReplicatedInput
 from replicator.job import Job
 from replicator.loop import Checkpointer, InputPosition, Observer, StepLoop, check_run_arguments
+from replicator.pipeline.randomness import seed_stage
 from replicator.pipeline.recompute import resolve_recompute
 from replicator.scope import ModelScope
 from replicator.sync.buffers import average_buffers
@@ -136,8 +137,11 @@ class Replicator:
         ends, every replica's parameters and buffers are overwritten with replica 0's, so
         all replicas start identical however they were seeded.
         """
+        built = len(self._stages)
         with self.models.block(self.optimizers.parameters):
             yield self
+        if len(self._stages) > built:
+            seed_stage(self.job.mesh)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Average the optimizer's gradients across replicas before it updates.
@@ -169,15 +173,9 @@ class Replicator:
         `pipe.parameters()`: gradients are then averaged across the replicas of each stage.
         `balance` is a list of layer counts, "params", or "time" (profiled on `sample`).
         """
-        from replicator.pipeline import StageHooks, build_pipeline
+        from replicator.pipeline import build_pipeline, job_hooks
 
-        hooks = StageHooks(no_sync=self.no_sync)
-        if self.num_replicas > 1:
-            # A step that fails on one replica fails on all: the averaging that its last backward
-            # would end with waits until every replica has said how its step went.
-            hooks.hold_gradients = self.optimizers.hold_gradients
-            hooks.agree_on_outcome = self.job.agreement.require_same
-            hooks.release_gradients = self.optimizers.release_gradients
+        hooks = job_hooks(self.no_sync, self.optimizers, self.job.agreement, self.job.mesh)
         stage = build_pipeline(
             layers, stage_id=self.stage_id, num_stages=self.num_stages, balance=balance,
             stage_ranks=self.groups.stage_ranks, stage_group=self.groups.stage, chunks=self.chunks,
@@ -186,6 +184,8 @@ class Replicator:
             replica=self.replica_id, hooks=hooks,
         )
         self._stages.append(stage)
+        if not self.models.is_open:
+            seed_stage(self.job.mesh)
         return stage
 
     # -- gradients -----------------------------------------------------------------------
@@ -204,12 +204,12 @@ class Replicator:
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor | None:
-        """Clip by the global norm of the *averaged* gradients, as single-process training would.
+        """Clip by the global norm of the *averaged* gradients of all stages, as one process would.
 
-        Call it between backward and optimizer.step(). During an accumulation micro-step
-        (when no update follows) it does nothing and returns None.
+        Call it between backward and optimizer.step(), on every stage. During an accumulation
+        micro-step (when no update follows) it does nothing and returns None.
         """
-        return self.optimizers.clip_grad_norm_(parameters, max_norm, norm_type)
+        return self.optimizers.clip_grad_norm_(parameters, max_norm, norm_type, shards=self.groups.stage)
 
     def sync_buffers(self) -> None:
         """Average the buffers (BatchNorm running statistics) over this stage's replicas.

@@ -12,7 +12,7 @@ from typing import Any
 
 from replicator.pipeline.batchnorm import DeferredBatchNorm, convert_deferred_batchnorm
 from replicator.pipeline.build import agreed_balance, build_pipeline
-from replicator.pipeline.hooks import StageHooks
+from replicator.pipeline.hooks import StageHooks, job_hooks
 from replicator.pipeline.microbatch import gather, scatter
 from replicator.pipeline.partition import partition
 from replicator.pipeline.recompute import RECOMPUTE_MODES, is_recomputing
@@ -26,6 +26,7 @@ __all__ = [
     "PipelineStage",
     "PipelineError",
     "StageHooks",
+    "job_hooks",
     "partition",
     "scatter",
     "gather",

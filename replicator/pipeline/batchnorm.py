@@ -73,6 +73,14 @@ class DeferredBatchNorm(_BatchNorm):
 
 def convert_deferred_batchnorm(module: nn.Module) -> nn.Module:
     """`module` with its batch norms (nn.BatchNorm1d/2d/3d, exactly) made deferred; converts in place."""
+    return _convert(module, {})
+
+
+def _convert(module: nn.Module, done: dict[int, nn.Module]) -> nn.Module:
+    """convert_deferred_batchnorm, each module once: a batch norm used twice stays one module."""
+    if id(module) in done:
+        return done[id(module)]
+    done[id(module)] = module
     if type(module) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
         assert isinstance(module, _BatchNorm)
         like = module.running_mean if module.running_mean is not None else module.weight
@@ -84,9 +92,12 @@ def convert_deferred_batchnorm(module: nn.Module) -> nn.Module:
         if module.affine:
             deferred.weight, deferred.bias = module.weight, module.bias  # keep the parameter objects
         deferred.train(module.training)
+        done[id(module)] = deferred
         return deferred
-    for name, child in module.named_children():
-        converted = convert_deferred_batchnorm(child)
+    for name, child in list(module._modules.items()):  # named_children() would skip a repeat
+        if child is None:
+            continue
+        converted = _convert(child, done)
         if converted is not child:
             setattr(module, name, converted)
     return module

@@ -78,7 +78,8 @@ def raise_failed(step: StepState, reason: str, where: str) -> NoReturn:
     step.drop_state()
     raise PipelineError(
         f"pipeline step failed: {reason}{reported}. Every stage stopped this step; gradients may be partly "
-        "accumulated, so zero them before the next step"
+        "accumulated, so zero them before the next step",
+        reason=reason,
     ) from step.cause
 
 

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["StageHooks"]
+from replicator.comm.agreement import Agreement
+from replicator.pipeline.outcome import Outcome, gather_outcomes
+from replicator.topology import Mesh
+
+__all__ = ["StageHooks", "job_hooks"]
 
 
 @dataclasses.dataclass
@@ -23,8 +28,35 @@ class StageHooks:
 
     no_sync: Callable[[], AbstractContextManager[Any]] | None = None  # around every backward but the last
     hold_gradients: Callable[[], AbstractContextManager[Any]] | None = None  # around the whole train_step
-    agree_on_outcome: Callable[[str], object] | None = None  # same text on every replica, or it raises
-    release_gradients: Callable[[], None] | None = None  # after a successful agreement
+    # This process's failure (None: success) in, every process's outcome out ([]: all succeeded).
+    agree_on_outcome: Callable[[str | None], Sequence[Outcome]] | None = None
+    release_gradients: Callable[[], None] | None = None  # after every replica succeeded
+    abandon_gradients: Callable[[], None] | None = None  # after a failure anywhere, on every replica
+
+
+class HoldsGradients(Protocol):
+    """What job_hooks needs of the job's wrapped optimizers (replicator.sync.SyncedOptimizers)."""
+
+    def hold_gradients(self) -> AbstractContextManager[None]: ...
+
+    def release_gradients(self) -> None: ...
+
+    def abandon_gradients(self) -> None: ...
+
+
+def job_hooks(no_sync: Callable[[], AbstractContextManager[Any]], optimizers: HoldsGradients, agreement: Agreement,
+              mesh: Mesh) -> StageHooks:
+    """The hooks the Replicator gives its stage: with replicas, gradient averaging waits for every step's outcome.
+
+    A step that fails on one replica fails on all; each then drops the averaging its step
+    left pending, so that the next step starts from the same place everywhere.
+    """
+    if mesh.num_replicas == 1:
+        return StageHooks(no_sync=no_sync)
+    return StageHooks(no_sync=no_sync, hold_gradients=optimizers.hold_gradients,
+                      agree_on_outcome=functools.partial(gather_outcomes, agreement, mesh.replica_id, mesh.stage_id),
+                      release_gradients=optimizers.release_gradients,
+                      abandon_gradients=optimizers.abandon_gradients)
 
 
 def with_no_sync(

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from replicator._tree import flatten, leaves_with_paths
+from replicator._tree import flatten, leaves_with_paths, map_tensors
 
-__all__ = ["shared_batch_size", "microbatch_sizes", "scatter", "gather"]
+__all__ = ["shared_batch_size", "microbatch_sizes", "scatter", "unshared", "gather"]
 
 
 def shared_batch_size(value: Any) -> int | None:
@@ -71,6 +71,16 @@ def scatter(value: Any, chunks: int) -> list[Any]:
         )
         for start, length in zip(starts, sizes)
     ]
+
+
+def unshared(value: Any) -> Any:
+    """`value` with every tensor that is a view of another copied into memory of its own.
+
+    Micro-batches from `scatter` are views of one batch and share autograd's version counter:
+    a layer that changed its micro-batch in place would make autograd reject the others'
+    saved tensors. A copy costs one pass over the input batch, per step.
+    """
+    return map_tensors(lambda t: t.clone() if t._base is not None else t, value)
 
 
 def gather(values: Sequence[Any]) -> Any:

@@ -38,7 +38,9 @@ Balance = Sequence[int] | str
 def layers_of(modules: nn.Sequential | nn.ModuleList | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
     """(name, layer) pairs; an nn.Sequential keeps its own names so stage state_dict keys match."""
     if isinstance(modules, (nn.Sequential, nn.ModuleList)):
-        layers = list(modules.named_children())
+        # Not named_children(): it yields a module used twice (tied weights) once, and the
+        # stages would silently lose a layer. Sequential.forward runs every entry.
+        layers = [(name, layer) for name, layer in modules._modules.items() if layer is not None]
     elif isinstance(modules, nn.Module):
         raise TypeError(
             f"a pipeline splits a sequence of layers; got a single {type(modules).__name__}. Pass an nn.Sequential "
@@ -133,6 +135,8 @@ def profile_times(
     device = torch.device(device) if device is not None else None
     saved_buffers = [(b, b.detach().clone()) for _, layer in layers for b in layer.buffers()]
     saved_grads = [(p, p.grad) for _, layer in layers for p in layer.parameters()]
+    for param, _ in saved_grads:
+        param.grad = None  # else backward would add into the saved tensors, in place
     times: list[float] = []
     devices = [device] if device is not None and device.type == "cuda" else []
     try:
@@ -225,12 +229,14 @@ def split(modules: nn.Sequential | Sequence[nn.Module], balance: Sequence[int]) 
         start += count
     owner: dict[int, int] = {}
     for k, stage in enumerate(stages):
-        for name, param in stage.named_parameters(remove_duplicate=False):
-            first = owner.setdefault(id(param), k)
+        named = [*stage.named_parameters(remove_duplicate=False), *stage.named_buffers(remove_duplicate=False)]
+        for name, tensor in named:
+            first = owner.setdefault(id(tensor), k)
             if first != k:
+                kind = "parameter" if isinstance(tensor, nn.Parameter) else "buffer"
                 raise ValueError(
-                    f"parameter {name} is shared by stages {first} and {k}; stages live in different processes and "
-                    "cannot share parameters. Keep tied layers in one stage (adjust balance)"
+                    f"{kind} {name} is shared by stages {first} and {k}; stages live in different processes and "
+                    f"cannot share a {kind}. Keep a layer used twice, or tied layers, in one stage (adjust balance)"
                 )
     return stages
 

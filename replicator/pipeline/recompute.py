@@ -4,7 +4,10 @@ GPipe calls this re-materialisation; the keyword is `recompute=` so that it is n
 for saved-state checkpoints (replicator.checkpoint). Built on torch.utils.checkpoint
 (non-reentrant). While a forward is being recomputed, `is_recomputing()` is true and batch
 norms in training mode update throwaway copies of their running statistics, so the
-statistics are never counted twice.
+statistics are never counted twice. The forward and its recomputation each see their own
+copy of the input tensors that want no gradient: a stage that changes one in place (say
+`mask.add_(1)`) would otherwise change it twice, and its gradients would be those of
+another input.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
+
+from replicator._tree import map_tensors
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -105,8 +110,16 @@ def run_forward(module: nn.Module, inputs: Any, recompute: bool) -> Any:
     if not recompute or not torch.is_grad_enabled():
         return module(inputs)
     return checkpoint(
-        module,
+        lambda kept: module(_fresh_copies(kept)),
         inputs,
         use_reentrant=False,
         context_fn=lambda: (contextlib.nullcontext(), recomputing(module)),
     )
+
+
+def _fresh_copies(inputs: Any) -> Any:
+    """`inputs` with a copy of each tensor that wants no gradient, so the kept input stays as it was received.
+
+    A tensor that wants a gradient needs no copy: autograd refuses to change such a leaf in place.
+    """
+    return map_tensors(lambda t: t if t.requires_grad else t.clone(), inputs)

@@ -16,10 +16,11 @@ from replicator.comm import p2p
 from replicator.pipeline.failures import end_evaluation_step, end_training_step
 from replicator.pipeline.hooks import StageHooks, with_no_sync
 from replicator.pipeline.links import StageLinks, delivered_counts, settle_delivered
-from replicator.pipeline.microbatch import gather, microbatch_sizes, scatter, shared_batch_size
+from replicator.pipeline.microbatch import gather, microbatch_sizes, scatter, shared_batch_size, unshared
+from replicator.pipeline.outcome import replicas_failed
 from replicator.pipeline.recompute import resolve_recompute, run_forward, should_recompute
 from replicator.pipeline.schedule import Action, Op, Schedule, check_schedule, forward_only, make_schedule
-from replicator.pipeline.step import PipelineError, StepState
+from replicator.pipeline.step import PipelineError, StepState, checked_normalizer
 from replicator.pipeline.timeline import Event, Timeline
 
 __all__ = ["PipelineStage", "PipelineError"]
@@ -97,6 +98,10 @@ class PipelineStage:
             first = next(iter(module.parameters()), None)
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
+        # torch's optimizers refuse an empty parameter list: a stage without parameters offers
+        # one empty placeholder, so `SGD(pipe.parameters())` works on every stage.
+        self._placeholder = None if any(True for _ in module.parameters()) else nn.Parameter(
+            torch.zeros(0, device=self.device))
         self.group = group
         self.stage_ranks = list(stage_ranks) if stage_ranks is not None else list(range(num_stages))
         if num_stages > 1:
@@ -138,7 +143,9 @@ class PipelineStage:
         return self.links.message_count
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """This stage's parameters (give them to this stage's optimizer)."""
+        """This stage's parameters (give them to this stage's optimizer); an empty placeholder if it has none."""
+        if self._placeholder is not None:
+            return iter([self._placeholder])
         return self.module.parameters(recurse)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
@@ -157,7 +164,7 @@ class PipelineStage:
 
     # -- steps -------------------------------------------------------------------------
     def train_step(self, inputs: Any = None, targets: Any = None, loss_fn: LossFn | None = None, *,
-                   reduction: str = "mean") -> torch.Tensor:
+                   reduction: str = "mean", normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward over all micro-batches; return the mini-batch loss on every stage.
 
         Call it on every stage with the same arguments: the first stage reads `inputs`, the
@@ -165,28 +172,38 @@ class PipelineStage:
         scalar). With reduction="mean" (a loss averaged over samples) each micro-batch's
         loss is weighted by its share of the batch, so the returned loss and the
         accumulated gradients equal those of the unsplit batch; with "sum" they are
-        added. Gradients accumulate into `.grad` as loss.backward() would: zero them
-        between steps. Returns a detached float32 scalar on this stage's device.
+        added, and divided by `normalizer` when one is given: for a loss averaged over
+        anything but samples (tokens that are not padding, say), let loss_fn sum and pass
+        what the unsplit loss would divide by, counted over the whole batch (with replicas,
+        `ctx.all_mean(count)`). Gradients accumulate into `.grad` as loss.backward() would:
+        zero them between steps. Returns a detached float32 scalar on this stage's device.
 
-        Around the step, the hooks: the gradient averaging is held for the whole step;
-        every replica then agrees on the outcome (a failure here fails all replicas, inside
-        the hold, before the hold is left); after a success, the held averaging is released.
+        Around the step, the hooks: the gradient averaging is held for the whole step; then
+        every process of the job learns how every step went. After a success everywhere the
+        held averaging is released; after a failure anywhere every replica drops it and
+        raises the same PipelineError, so the replicas stay identical.
         """
         hooks = self.hooks
+        failure: PipelineError | None = None
         with hooks.hold_gradients() if hooks.hold_gradients is not None else contextlib.nullcontext():
             try:
-                loss = self._run_training_step(inputs, targets, loss_fn, reduction)
+                loss = self._run_training_step(inputs, targets, loss_fn, reduction, normalizer)
             except PipelineError as error:
-                if hooks.agree_on_outcome is not None:
-                    hooks.agree_on_outcome(f"pipeline train_step failed: {error}"[:200])
-                raise  # every replica failed alike: its own error says it best
+                failure = error
         if hooks.agree_on_outcome is not None:
-            hooks.agree_on_outcome("pipeline train_step succeeded")
+            outcomes = hooks.agree_on_outcome(None if failure is None else failure.reason)
+            if outcomes:
+                if hooks.abandon_gradients is not None:
+                    hooks.abandon_gradients()
+                raise replicas_failed(failure, list(outcomes)) from failure
+        if failure is not None:
+            raise failure
         if hooks.release_gradients is not None:
             hooks.release_gradients()
         return loss
 
-    def _run_training_step(self, inputs: Any, targets: Any, loss_fn: LossFn | None, reduction: str) -> torch.Tensor:
+    def _run_training_step(self, inputs: Any, targets: Any, loss_fn: LossFn | None, reduction: str,
+                           normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
         step = self._begin(training=True)
         with torch.enable_grad():
             if reduction not in ("mean", "sum"):
@@ -194,6 +211,11 @@ class PipelineStage:
             elif self.is_last and not callable(loss_fn):
                 step.fail(ValueError(f"train_step needs a loss_fn(output, target) on the last stage, got {loss_fn!r}"),
                           self._where())
+            elif normalizer is not None:
+                try:
+                    step.normalizer = checked_normalizer(normalizer, reduction)
+                except ValueError as error:
+                    step.fail(error, self._where())
             self._start(step, inputs, targets)
             for action, delivered in zip(self.schedule.stages[self.stage_id], self._train_delivered):
                 with self.timeline.record(action.op.value, action.microbatch):
@@ -265,7 +287,7 @@ class PipelineStage:
             assert size is not None
             step.batch_size = size
             step.sizes = dict(enumerate(microbatch_sizes(size, self.chunks)))
-            step.inputs = {i: to_device(chunk, self.device) for i, chunk in enumerate(chunks)}
+            step.inputs = {i: unshared(to_device(chunk, self.device)) for i, chunk in enumerate(chunks)}
             if self.is_last and step.training:
                 self._split_targets(step, targets)
         except Exception as error:
@@ -377,7 +399,7 @@ class PipelineStage:
                     f"loss_fn must return a scalar floating-point tensor (reduce it, e.g. with .mean()), but for "
                     f"micro-batch {i} it returned {shown}"
                 )
-            weight = step.sizes[i] / step.batch_size if reduction == "mean" else 1.0
+            weight = step.loss_weight(i, reduction)
             step.losses[i] = loss.reshape(()) * weight
             contribution = loss.detach().reshape(()).to(torch.float64) * weight
             step.loss_total = contribution if step.loss_total is None else step.loss_total + contribution

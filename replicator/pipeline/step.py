@@ -9,11 +9,18 @@ import torch
 
 from replicator.errors import ReplicatorError
 
-__all__ = ["PipelineError", "StepState"]
+__all__ = ["PipelineError", "StepState", "checked_normalizer"]
 
 
 class PipelineError(ReplicatorError):
-    """A pipeline step failed on some stage; every stage of that pipeline raises it."""
+    """A pipeline step failed on some stage; every stage of that pipeline raises it.
+
+    `reason` is the failure as the stage that failed described it (the same on every stage).
+    """
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
 
 
 @dataclass
@@ -33,6 +40,7 @@ class StepState:
     grads_in: dict[int, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     grads_out: dict[int, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     targets: list[Any] | None = None
+    normalizer: float | None = None  # reduction="sum": what the summed loss is divided by
     sent_before: dict[int, int] = field(default_factory=dict)  # transfers each neighbour had been sent before
 
     @property
@@ -50,6 +58,27 @@ class StepState:
             self.failure = error
         self.drop_state()
 
+    def loss_weight(self, i: int, reduction: str) -> float:
+        """What micro-batch i's loss is multiplied by, so that the step's loss is the unsplit batch's."""
+        if reduction == "mean":
+            return self.sizes[i] / self.batch_size  # a mean over samples: the micro-batch's share of them
+        return 1.0 if self.normalizer is None else 1.0 / self.normalizer
+
     def drop_state(self) -> None:
         for store in (self.inputs, self.outputs, self.losses, self.grads_in, self.grads_out):
             store.clear()
+
+
+def checked_normalizer(normalizer: float | torch.Tensor, reduction: str) -> float:
+    """The positive number a summed loss is divided by, or a ValueError saying what is wrong."""
+    if reduction != "sum":
+        raise ValueError('normalizer= divides a summed loss: pass reduction="sum" with it (and a loss_fn that sums)')
+    if isinstance(normalizer, torch.Tensor) and normalizer.numel() != 1:
+        raise ValueError(f"normalizer must be a number or a one-element tensor, got shape {tuple(normalizer.shape)}")
+    try:
+        value = float(normalizer)
+    except (TypeError, ValueError):
+        raise ValueError(f"normalizer must be a number or a one-element tensor, got {normalizer!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"normalizer must be a positive, finite count (what the loss is averaged over), got {value}")
+    return value

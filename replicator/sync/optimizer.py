@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import types
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -193,15 +194,24 @@ class SyncedOptimizers:
             wrapped.count.calls, wrapped.count.stepped = 0, False
 
     # -- between backward and step -----------------------------------------------------
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
-                        norm_type: float = 2.0) -> torch.Tensor | None:
-        """Clip by the global norm of the averaged gradients; None during an accumulation micro-step."""
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, *,
+                        shards: dist.ProcessGroup | None = None) -> torch.Tensor | None:
+        """Clip by the global norm of the averaged gradients; None during an accumulation micro-step.
+
+        With `shards` (a pipeline's stage group, every member calling) the parameters are this
+        process's share of a model split over the group, and the norm is the whole model's.
+        """
         params = list(parameters)
-        for wrapped in {id(w): w for p in params if (w := self.owner.get(id(p)))}.values():
-            if not self.state.last_micro_step(wrapped.count):
-                return None
+        owners = list({id(w): w for p in params if (w := self.owner.get(id(p)))}.values())
+        if not all(self.state.last_micro_step(w.count) for w in owners or self.wrapped):
+            return None
+        for wrapped in owners:
             wrapped.synchronizer.finalize()
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type).to(params[0].device if params else "cpu")
+        if shards is not None:
+            norm = _norm_of_shards(norm, norm_type, shards)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         # The norm of averaged gradients is the same on every replica: so is this verdict.
         if self.nonfinite == "raise" and not bool(torch.isfinite(norm)):
             raise NonFiniteError(
@@ -227,6 +237,11 @@ class SyncedOptimizers:
         for wrapped in self.wrapped:
             wrapped.synchronizer.finalize_deferred()
 
+    def abandon_gradients(self) -> None:
+        """Drop the averaging a failed pipeline step left pending, alike on every replica (all call it)."""
+        for wrapped in self.wrapped:
+            wrapped.synchronizer.abandon()
+
     def set_on_wait(self, on_wait: Callable[[float], None]) -> None:
         """Report seconds blocked in gradient reductions to `on_wait` (the run's step timing)."""
         for wrapped in self.wrapped:
@@ -236,3 +251,13 @@ class SyncedOptimizers:
         """Remove the gradient hooks."""
         for wrapped in self.wrapped:
             wrapped.synchronizer.remove()
+
+
+def _norm_of_shards(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
+    """The norm of a vector split over `group`, from each process's `norm` of its piece."""
+    if math.isinf(norm_type):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm.to(torch.float64) ** norm_type
+    dist.all_reduce(powered, group=group)
+    return (powered ** (1.0 / norm_type)).to(norm.dtype)

@@ -222,6 +222,17 @@ class GradientSynchronizer:
         self._window_open = False
         self._finalize_pass = None  # one that raised before its end never ran its callback
 
+    def abandon(self) -> None:
+        """Close a window that a failed step left in any state; every replica calls it at the same point.
+
+        One replica may have launched buckets (its backward ran) while another launched none
+        (it failed first): each launches the rest of the round, in order, so that all issue
+        the same collectives and none is left pending into the next step. `.grad` stays local.
+        """
+        if self.size > 1:
+            self._finish_round()
+        self.end_window()
+
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()

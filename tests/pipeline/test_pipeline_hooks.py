@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replicator.pipeline import PipelineError, PipelineStage, StageHooks, build_pipeline
+from replicator.pipeline.outcome import Outcome
 from replicator.pipeline.schedule import make_schedule, simulated_bubble, timed_simulation
 from replicator.pipeline.timeline import events_from_simulation, measured_bubble
 
@@ -34,8 +35,13 @@ def recording_hooks(calls: list[str]) -> StageHooks:
         calls.append("no_sync")
         yield
 
-    return StageHooks(no_sync=no_sync, hold_gradients=hold, agree_on_outcome=lambda text: calls.append(text),
-                      release_gradients=lambda: calls.append("release"))
+    def agree(failure: str | None) -> list[Outcome]:
+        calls.append("agree: succeeded" if failure is None else f"agree: {failure}")
+        return [] if failure is None else [Outcome(replica=0, stage=0, failure=failure)]
+
+    return StageHooks(no_sync=no_sync, hold_gradients=hold, agree_on_outcome=agree,
+                      release_gradients=lambda: calls.append("release"),
+                      abandon_gradients=lambda: calls.append("abandon"))
 
 
 def test_hooks_run_in_the_order_the_facade_needs() -> None:
@@ -43,13 +49,14 @@ def test_hooks_run_in_the_order_the_facade_needs() -> None:
     pipe = build_pipeline(layers(), stage_id=0, num_stages=1, chunks=3, hooks=recording_hooks(calls))
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
     pipe.train_step(x, y, F.cross_entropy)
-    assert calls == ["hold", "no_sync", "no_sync", "leave hold", "pipeline train_step succeeded", "release"]
+    assert calls == ["hold", "no_sync", "no_sync", "leave hold", "agree: succeeded", "release"]
 
     calls.clear()
-    with pytest.raises(PipelineError, match="loss_fn must return a scalar") as caught:
+    with pytest.raises(PipelineError, match="failed on every replica alike: .*loss_fn must return a scalar") as caught:
         pipe.train_step(x, y, lambda output, target: output)
-    # A failure is agreed on while the gradients are still held, and nothing is released.
-    assert calls == ["hold", f"pipeline train_step failed: {caught.value}"[:200], "leave hold"]
+    # Every process hears of the failure; the held averaging is dropped, never released.
+    assert calls == ["hold", "leave hold", f"agree: {caught.value.reason}", "abandon"]
+    assert caught.value.reason.startswith("stage 0 of 1 (rank 0) failed: ValueError: loss_fn must return")
 
 
 def test_no_sync_keyword_folds_into_the_hooks() -> None:
