@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
@@ -269,7 +270,7 @@ def check_run_arguments(steps: int | None, checkpoint_every: int | None, checkpo
                         accumulation: int, epochs: int | None = None) -> None:
     """Raise on a run() request that cannot be honoured, before any replica starts."""
     for name, value in (("steps", steps), ("epochs", epochs)):
-        if value is not None and (not isinstance(value, int) or value < 0):
+        if value is not None and (not isinstance(value, numbers.Integral) or value < 0):
             raise ReplicatorUsageError(f"{name} must be a whole number >= 0 (or None), got {value!r}")
     if checkpoint_every is not None and (checkpoint_dir is None or checkpoint_every < 1
                                          or checkpoint_every % accumulation):
