@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
-from replicator._tree import leading_size, to_device
+from replicator._tree import to_device
 from replicator.context import InputContext
 from replicator.errors import ReplicatorUsageError
 from replicator.inputs import (
@@ -100,10 +100,10 @@ class EpochStream(Iterator[Any]):
         self._fetched.append(item)
         return item[1]
 
-    def consume(self) -> int:
-        """The step loop trains on the oldest fetched batch now; returns its epoch."""
-        place, batch = self._fetched.popleft()
-        size = leading_size(batch) * self.num_replicas
+    def consume(self, size: int) -> int:
+        """The step loop trains on the oldest fetched batch (of `size` samples) now; returns its epoch."""
+        place, _ = self._fetched.popleft()
+        size *= self.num_replicas
         if self._expected_batch is not None and size != self._expected_batch:
             self.say(f"replicator: warning: the checkpoint's run trained on a global batch of {self._expected_batch}; "
                      f"this run's is {size}, so it does not continue that training exactly")

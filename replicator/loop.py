@@ -139,7 +139,7 @@ class StepLoop:
                 for observer in observers:
                     observer.on_agreement_wait(agreed)
                 size = leading_size(batch)
-                self.context.step, self.context.epoch = step, iterator.consume()
+                self.context.step, self.context.epoch = step, iterator.consume(size)
                 # Announce the next step before running this one: the agreement then travels
                 # while this step computes, instead of adding a round trip between steps.
                 last = steps is not None and step + 1 >= steps
