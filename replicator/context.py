@@ -67,8 +67,11 @@ class ReplicaContext:
         self._agreement = agreement
         self._sequence = 0
         self.step = 0
+        self.epoch = 0  # the epoch of the batch step_fn is given (run() counts them)
         # Seconds spent blocked in collectives are reported here (the step breakdown).
         self.on_wait: Callable[[float], None] = lambda seconds: None
+        # The step loop's look at what this replica feeds into each collective (whose NaN it was).
+        self.on_collective: Callable[[str, torch.Tensor], None] | None = None
 
     def _agree(self, operation: str, tensor: torch.Tensor, detail: str = "", values: Sequence[int] = (),
                any_length: bool = False) -> Verdict | None:
@@ -92,6 +95,8 @@ class ReplicaContext:
     def _call(self, operation: str, tensor: torch.Tensor, *args: Any, detail: str = "") -> torch.Tensor:
         started = time.perf_counter()
         self._agree(operation, tensor, detail)
+        if self.on_collective is not None:
+            self.on_collective(operation, tensor)
         result = getattr(collectives, operation)(tensor, *args, self.group)
         self.on_wait(time.perf_counter() - started)
         return result

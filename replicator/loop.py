@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -13,12 +14,12 @@ import torch
 from replicator._tree import flatten, leading_size, leaves_with_paths
 from replicator.comm.agreement import Agreement, PendingAgreement, Verdict
 from replicator.context import ReplicaContext
+from replicator.epochs import EpochStream
 from replicator.errors import NonFiniteError, ReplicaMismatchError, ReplicatorUsageError
 from replicator.health import OutputCheck
-from replicator.inputs import ReplicatedInput
 from replicator.sync.state import GradientState
 
-__all__ = ["StepLoop", "Observer", "InputPosition", "RunOutcome", "Checkpointer", "check_run_arguments"]
+__all__ = ["StepLoop", "Observer", "RunOutcome", "Checkpointer", "check_run_arguments"]
 
 
 class Observer(Protocol):
@@ -45,42 +46,6 @@ class RunOutcome:
     ended_early: list[int] = field(default_factory=list)
 
 
-class InputPosition:
-    """Where the training's input stands, for checkpoints: a restored position, or counted from a run's start."""
-
-    def __init__(self) -> None:
-        self.inputs: Iterable[Any] | None = None
-        self.start = (0, 0)  # (step, batches consumed) when the current run's input began
-        self.pending: dict[str, Any] | None = None  # a restored position, for the next run
-
-    def begin(self, inputs: Iterable[Any], step: int) -> Iterator[Any]:
-        """Iterate `inputs`, from where a restored checkpoint left them if there is one."""
-        pending, self.pending = self.pending, None
-        skip = int(pending["batches"]) if pending else 0
-        if isinstance(inputs, ReplicatedInput):
-            if pending is not None:
-                inputs.load_state_dict(pending)
-            iterator = iter(inputs)
-        else:
-            # A plain iterable can only be skipped through: right for lists and other
-            # re-iterable inputs that yield the same batches every time.
-            iterator = iter(inputs)
-            for _ in range(skip):
-                next(iterator, None)
-        self.inputs, self.start = inputs, (step, skip)
-        return iterator
-
-    def state_dict(self, step: int) -> dict[str, Any]:
-        """The input position at `step`, for a checkpoint."""
-        if self.pending is not None:  # restored, not yet run: save what was restored
-            return dict(self.pending)
-        start_step, start_batches = self.start
-        batches = start_batches + step - start_step  # one batch per step; a prefetched one is not consumed
-        if isinstance(self.inputs, ReplicatedInput):
-            return self.inputs.state_dict(batches)
-        return {"epoch": 0, "batches": batches}
-
-
 class Checkpointer:
     """Saves the training after every `every`-th step through `save(step)`, a checkpoint cadence observer."""
 
@@ -102,6 +67,35 @@ class Checkpointer:
         pass
 
 
+class CollectiveInputs:
+    """Whether what this replica fed into each ctx collective was finite, per step not yet judged.
+
+    A NaN that one replica passes to `ctx.all_mean` is every replica's output afterwards; these
+    flags let the error name the replica it came from. Each is one device reduction, read only
+    when some output was found non-finite.
+    """
+
+    def __init__(self) -> None:
+        self._current: list[tuple[str, torch.Tensor]] = []
+        self._steps: dict[int, list[tuple[str, torch.Tensor]]] = {}
+
+    def record(self, operation: str, tensor: torch.Tensor) -> None:
+        if tensor.is_floating_point() or tensor.is_complex():
+            self._current.append((f"ctx.{operation}", torch.isfinite(tensor.detach()).all()))
+
+    def close_step(self, step: int) -> None:
+        if self._current:
+            self._steps[step], self._current = self._current, []
+
+    def forget(self, step: int) -> None:
+        """`step` and the steps before it were judged finite."""
+        for done in [s for s in self._steps if s <= step]:
+            del self._steps[done]
+
+    def nonfinite(self, step: int) -> list[str]:
+        return [name for name, finite in self._steps.get(step, []) if not bool(finite)]
+
+
 class StepLoop:
     """Runs `step_fn` on this replica's batches until `steps` or until some replica's input runs out.
 
@@ -116,15 +110,18 @@ class StepLoop:
         self.context = context
         self.state = state
         self.nonfinite = nonfinite
+        self._collective_inputs = CollectiveInputs()
 
     @property
     def num_replicas(self) -> int:
         return self.context.num_replicas
 
-    def run(self, step_fn: Callable[[ReplicaContext, Any], Any], iterator: Iterator[Any], steps: int | None,
+    def run(self, step_fn: Callable[[ReplicaContext, Any], Any], iterator: EpochStream, steps: int | None,
             observers: list[Observer]) -> Generator[tuple[int, Any], None, RunOutcome]:
         """Yield `(step, output)` per step; return the RunOutcome (use `yield from`)."""
         step = self.state.step
+        if self.nonfinite == "raise" and self.num_replicas > 1:
+            self.context.on_collective = self._collective_inputs.record
         outcome = RunOutcome()
         checks: deque[OutputCheck] = deque()  # outputs not yet judged finite, oldest first
         judged: OutputCheck | None = None  # the one the latest announcement carries
@@ -142,7 +139,7 @@ class StepLoop:
                 for observer in observers:
                     observer.on_agreement_wait(agreed)
                 size = leading_size(batch)
-                self.context.step = step
+                self.context.step, self.context.epoch = step, iterator.consume(size)
                 # Announce the next step before running this one: the agreement then travels
                 # while this step computes, instead of adding a round trip between steps.
                 last = steps is not None and step + 1 >= steps
@@ -156,6 +153,7 @@ class StepLoop:
                 check_output(output)
                 if self.nonfinite == "raise":
                     checks.append(OutputCheck(output, step))
+                    self._collective_inputs.close_step(step)
                 seconds = agreed + time.perf_counter() - computing
                 self.state.step = step + 1
                 for observer in observers:
@@ -163,6 +161,9 @@ class StepLoop:
                 batch, has_batch = upcoming, has_upcoming
                 yield step, output
                 step += 1
+            if steps is not None and step < steps and not outcome.ended_early and self.agreement.rank == 0:
+                print(f"replicator: run() stopped at step {step}, before steps={steps}: {iterator.end_reason()}",
+                      flush=True)
             if pending is not None:  # the last step's outputs are still to be judged
                 self._judge(pending.wait(), judged)
             while checks:  # outputs not judged yet: one more agreement each
@@ -171,6 +172,7 @@ class StepLoop:
                 if final is not None:
                     self._judge(final.wait(), judged)
         finally:
+            self.context.on_collective = None
             for observer in observers:
                 observer.on_run_end()
         outcome.steps = step
@@ -234,20 +236,30 @@ class StepLoop:
 
     def _judge(self, verdict: Verdict, judged: OutputCheck | None) -> None:
         """Raise on every replica if any replica's `judged` output was NaN or infinite."""
+        step = judged.step if judged is not None else -1
         if verdict.maxima[2] == 0:
+            self._collective_inputs.forget(step)
             return
         nonfinite = judged.locations() if judged is not None else []
-        step = judged.step if judged is not None else -1
-        intents = self.agreement.exchange("non-finite outputs", "", [float(bool(nonfinite)), float(step)])
-        culprits = {i.replica: ["(see that replica's error)"] for i in intents if i.values[0]}
-        if nonfinite:
+        fed = self._collective_inputs.nonfinite(step)  # what this replica put into ctx collectives
+        intents = self.agreement.exchange("non-finite outputs", "", [float(bool(nonfinite)), float(step),
+                                                                     float(bool(fed))])
+        # A NaN that one replica feeds into ctx.all_mean comes out on every replica: blame where it went in.
+        feeders = [i.replica for i in intents if i.values[2]]
+        culprits = {r: ["(see that replica's error)"] for r in feeders or [i.replica for i in intents if i.values[0]]}
+        if feeders and fed:
+            culprits[self.context.replica_id] = [f"the input of {name}" for name in fed]
+        elif not feeders and nonfinite:
             culprits[self.context.replica_id] = nonfinite
-        raise NonFiniteError(self._nonfinite_message(int(max(i.values[1] for i in intents)), culprits))
+        raise NonFiniteError(self._nonfinite_message(int(max(i.values[1] for i in intents)), culprits,
+                                                     through_collective=bool(feeders)))
 
-    def _nonfinite_message(self, step: int, culprits: dict[int, list[str]]) -> str:
+    def _nonfinite_message(self, step: int, culprits: dict[int, list[str]], through_collective: bool = False) -> str:
         listing = "; ".join(f"replica {replica}: {', '.join(spots)}" for replica, spots in sorted(culprits.items()))
+        where = (f"came out of a ctx collective at step {step}, fed a NaN or infinite value by replica(s) "
+                 if through_collective else f"is NaN or infinite at step {step} on replica(s) ")
         return (
-            f"step_fn's output is NaN or infinite at step {step} on replica(s) {sorted(culprits)} ({listing}); raised "
+            f"step_fn's output {where}{sorted(culprits)} ({listing}); raised "
             f"on replica {self.context.replica_id}. Its gradients were averaged into every replica's update. Lower "
             "the learning rate or check the data (a checkpoint from before this step is safe to resume from), or "
             "pass rp.Replicator(nonfinite='skip') to drop such updates on every replica"
@@ -255,10 +267,11 @@ class StepLoop:
 
 
 def check_run_arguments(steps: int | None, checkpoint_every: int | None, checkpoint_dir: object,
-                        accumulation: int) -> None:
+                        accumulation: int, epochs: int | None = None) -> None:
     """Raise on a run() request that cannot be honoured, before any replica starts."""
-    if steps is not None and steps < 0:
-        raise ReplicatorUsageError(f"steps must be >= 0, got {steps}")
+    for name, value in (("steps", steps), ("epochs", epochs)):
+        if value is not None and (not isinstance(value, numbers.Integral) or value < 0):
+            raise ReplicatorUsageError(f"{name} must be a whole number >= 0 (or None), got {value!r}")
     if checkpoint_every is not None and (checkpoint_dir is None or checkpoint_every < 1
                                          or checkpoint_every % accumulation):
         raise ReplicatorUsageError(

@@ -13,11 +13,12 @@ import torch
 
 from replicator import _env
 from replicator.context import InputContext, ReplicaContext
+from replicator.epochs import InputPosition
 from replicator.errors import ReplicatorUsageError
 from replicator.health import NONFINITE_POLICIES, require_identical
 from replicator.inputs import ReplicatedInput
 from replicator.job import Job
-from replicator.loop import Checkpointer, InputPosition, Observer, StepLoop, check_run_arguments
+from replicator.loop import Checkpointer, Observer, StepLoop, check_run_arguments
 from replicator.pipeline.randomness import seed_stage
 from replicator.pipeline.recompute import resolve_recompute
 from replicator.scope import ModelScope
@@ -99,7 +100,7 @@ class Replicator:
         self.models = ModelScope(self.groups, self.device)
         self.last_run: dict[str, Any] = {}
         self._stages: list[PipelineStage] = []
-        self._input = InputPosition()
+        self._input = InputPosition(self.replica_id, self.num_replicas, self.device, self.is_main, stages)
         self._restored = False
         self._checked_identical = False  # run() compares the replicas' parameters once
 
@@ -226,28 +227,27 @@ class Replicator:
     # -- input and the loop ----------------------------------------------------------------
     def prepare_input(self, input_fn: Callable[[InputContext], Iterable[Any]]) -> ReplicatedInput:
         """Call input_fn once for this replica's input pipeline; batches go to its device."""
-        context = InputContext(num_replicas=self.num_replicas, replica_id=self.replica_id,
-                               input_pipeline_id=self.replica_id, num_input_pipelines=self.num_replicas)
-        return ReplicatedInput(input_fn, context, self.device)
+        return ReplicatedInput(input_fn, self._input.context, self.device)
 
     def run(self, step_fn: Callable[[ReplicaContext, Any], Any], inputs: Iterable[Any], steps: int | None = None, *,
-            progress: bool | None = None, warmup_steps: int = 5, checkpoint_every: int | None = None,
-            checkpoint_dir: str | os.PathLike[str] | None = None, keep: int = 3) -> Iterator[tuple[int, Any]]:
+            epochs: int | None = None, progress: bool | None = None, warmup_steps: int = 5,
+            checkpoint_every: int | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
+            keep: int = 3) -> Iterator[tuple[int, Any]]:
         """Run `step_fn(ctx, batch)` on every replica; yield `(step, output)` for each step.
 
-        Steps are numbered over the whole training: from `repl.global_step`, which earlier
-        run() calls and restore() advance. The run ends once `steps` steps are done in all
-        (earlier and restored ones included) or when any replica's input
-        runs out, on every replica at the same step. At the end replica 0 prints the
-        step-time breakdown and `repl.last_run` holds the figures.
+        `inputs` is `repl.prepare_input(input_fn)`, a DataLoader (split across replicas, see
+        replicator.inputs.shard_loader) or any iterable of this replica's batches. Steps and
+        epochs count the whole training (`repl.global_step`, `ctx.epoch`), restored ones
+        included: the run ends once `steps` steps or `epochs` passes over `inputs` are done
+        (each pass tells the sampler its epoch; with neither, after one pass), on every replica
+        at the same step. Replica 0 then prints the step-time breakdown (`repl.last_run`).
 
         With `checkpoint_dir`, a fresh Replicator first resumes from the newest complete
-        checkpoint there, if any (parameters, optimizers, schedulers, step, input position,
-        random generators); with `checkpoint_every=N` it saves one after every N-th step and
-        keeps the newest `keep`. Under `replicator launch --max-restarts R` that is all a
-        script needs to survive the death of a replica.
+        checkpoint there (parameters, optimizers, schedulers, step, epoch and place in it,
+        random generators) without reading the batches before that place; with
+        `checkpoint_every=N` it saves after every N-th step and keeps the newest `keep`.
         """
-        check_run_arguments(steps, checkpoint_every, checkpoint_dir, self.optimizers.state.accumulation)
+        check_run_arguments(steps, checkpoint_every, checkpoint_dir, self.optimizers.state.accumulation, epochs)
         if checkpoint_dir is not None and not self._restored and self.global_step == 0:
             from replicator.checkpoint import latest
 
@@ -266,7 +266,7 @@ class Replicator:
         if checkpoint_every and checkpoint_dir is not None:
             observers.append(Checkpointer(checkpoint_every, functools.partial(self._save_step, checkpoint_dir, keep)))
         loop = StepLoop(self.job.agreement, self.context, self.optimizers.state, self.nonfinite)
-        outcome = yield from loop.run(step_fn, self._input.begin(inputs, self.global_step), steps, observers)
+        outcome = yield from loop.run(step_fn, self._input.begin(inputs, epochs, steps), steps, observers)
         self.sync_buffers()
         self.last_run = summarize_run(self.job.agreement, times, outcome.steps, outcome.ended_early, show)
 
@@ -287,7 +287,7 @@ class Replicator:
             raise ReplicatorUsageError("repl.save() was called in the middle of an accumulation; save between updates")
         self.sync_buffers()
         return checkpoint.save(path, **self._checkpoint_objects(), step=self.global_step,
-                               input_state=self._input.state_dict(self.global_step), extra=extra, keep=keep)
+                               input_state=self._input.state_dict(), extra=extra, keep=keep)
 
     def _save_step(self, directory: str | os.PathLike[str], keep: int, step: int) -> Path:
         from replicator.checkpoint import step_path
@@ -305,7 +305,7 @@ class Replicator:
         restored = checkpoint.restore(path, **self._checkpoint_objects())
         self.optimizers.restart_counts()
         self.global_step = restored.step
-        self._input.pending = restored.input_state
+        self._input.restored(restored)
         self._restored = True
         return restored
 

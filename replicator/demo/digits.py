@@ -2,17 +2,16 @@
 
     python -m replicator.demo.digits                                # 1 replica
     replicator launch -n 2 -m replicator.demo.digits --epochs 12    # 2 replicas, same global batch
+    replicator launch --max-restarts 3 -n 2 -m replicator.demo.digits --checkpoint-dir ckpt --checkpoint-every 20
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import sys
 import time
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -110,15 +109,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reducer", default="auto", help="how gradients are summed (see rp.Replicator)")
     parser.add_argument("--result", default=None, help="replica 0 writes the figures here as JSON")
+    parser.add_argument("--checkpoint-dir", default=None, help="resume from and save checkpoints in this directory")
+    parser.add_argument("--checkpoint-every", type=int, default=None, help="save a checkpoint every N steps")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or breakdown table")
     return parser.parse_args(argv)
-
-
-def epochs(inputs: Iterable[Any], count: int | None) -> Iterator[Any]:
-    """`count` passes over `inputs` (endless if None). Each pass re-iterates the replicated
-    input, which reshuffles: the sampler is told the new epoch."""
-    for _ in range(count) if count is not None else itertools.count():
-        yield from inputs
 
 
 @torch.no_grad()
@@ -174,8 +168,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     losses: list[float] = []
     started = time.perf_counter()
-    source = epochs(inputs, None if args.steps is not None else args.epochs)
-    for _, loss in repl.run(step_fn, source, steps=steps, progress=not args.quiet, warmup_steps=args.warmup_steps):
+    # epochs= passes over the input, each reshuffled (the sampler is told the epoch); a timing run
+    # gives steps= alone and goes through as many epochs as that takes.
+    epochs = None if args.steps is not None else args.epochs
+    # With --checkpoint-dir a restarted run resumes in the middle of its epoch, exactly, without re-reading.
+    for _, loss in repl.run(step_fn, inputs, steps=steps, epochs=epochs, progress=not args.quiet,
+                            warmup_steps=args.warmup_steps, checkpoint_dir=args.checkpoint_dir,
+                            checkpoint_every=args.checkpoint_every):
         losses.append(float(loss))
     train_seconds = time.perf_counter() - started
     run = repl.last_run
