@@ -252,10 +252,10 @@ class GradientSynchronizer:
                 )
         if self.size == 1:
             grads = [p.grad for p in self.params if p.grad is not None]
-            if self.state.samples_since(self._update_start):
-                if grads and self._scale() != 1.0:
-                    torch._foreach_mul_(grads, self._scale())
-            elif self.state.accumulation != 1 and grads:
+            scale = self._scale()  # 1 / accumulation unless micro-steps are weighted by unequal samples
+            if grads and scale != 1.0 / self.state.accumulation:
+                torch._foreach_mul_(grads, scale)
+            elif grads and self.state.accumulation != 1:
                 torch._foreach_div_(grads, float(self.state.accumulation))
             self._reduced = True
             return

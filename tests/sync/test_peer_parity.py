@@ -1,4 +1,4 @@
-"""What DDP and Horovod users do in their first week: double backward, sparse embeddings, one replica's backward alone."""
+"""What DDP and Horovod users do in their first week: double backward, sparse embeddings, a lone backward."""
 
 from __future__ import annotations
 
