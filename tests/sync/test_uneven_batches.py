@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import replicator as rp
-from replicator.testing import run_replicas
+from replicator.testing import ReplicaFailure, run_replicas
 
 ATOL = 1e-5
 # Samples per replica, step by step (the last step an uneven tail), for 2 and 3 replicas.
@@ -135,3 +135,26 @@ def test_one_replica_weighs_uneven_micro_steps_too() -> None:
     want = reference(MICRO_SIZES, tokens=False, micro_steps=2)[0]
     for g, w in zip(got, want):
         assert torch.allclose(g, w, atol=ATOL, rtol=0), f"off by {(g - w).abs().max():.3g}"
+
+
+def an_empty_batch_on_one_replica() -> None:
+    repl = rp.Replicator(uneven_batches="weighted")
+    with repl.scope():
+        model = make_model()
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    mine = [shards(step, [3, 0] if step == 1 else [3, 2])[repl.replica_id] for step in range(2)]
+
+    def step_fn(ctx: rp.ReplicaContext, batch):
+        optimizer.zero_grad()
+        loss_of(model, batch, tokens=False).backward()
+        optimizer.step()
+
+    list(repl.run(step_fn, mine))
+
+
+def test_an_empty_batch_raises_on_every_replica(run_failing_fast) -> None:
+    with pytest.raises(ReplicaFailure) as caught:
+        run_failing_fast(an_empty_batch_on_one_replica, 2, timeout_s=60, collective_timeout_s=20)
+    assert [e.rank for e in caught.value.errors] == [0, 1], caught.value
+    for error in caught.value.errors:
+        assert error.kind == "ReplicatorUsageError" and "replica 1: 0" in error.message, error
