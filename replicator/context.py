@@ -68,6 +68,9 @@ class ReplicaContext:
         self._sequence = 0
         self.step = 0
         self.epoch = 0  # the epoch of the batch step_fn is given (run() counts them)
+        # This replica's share of the step's samples while step_fn runs a step whose replicas
+        # hold unequal counts under uneven_batches="weighted"; None otherwise.
+        self.sample_share: float | None = None
         # Seconds spent blocked in collectives are reported here (the step breakdown).
         self.on_wait: Callable[[float], None] = lambda seconds: None
         # The step loop's look at what this replica feeds into each collective (whose NaN it was).
@@ -106,7 +109,13 @@ class ReplicaContext:
         return self._call("all_sum", tensor)
 
     def all_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Element-wise mean over replicas; differentiable."""
+        """Element-wise mean over replicas; differentiable.
+
+        With uneven_batches="weighted", in a step whose replicas hold unequal batches, each
+        replica weighs by its share of the samples: the mean loss over the global batch.
+        """
+        if self.sample_share is not None and isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+            return self._call("all_sum", tensor * self.sample_share)
         return self._call("all_mean", tensor)
 
     def all_max(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -12,11 +12,18 @@ import torch.distributed as dist
 
 from replicator._tree import leaves_with_paths
 from replicator.comm.agreement import Agreement
-from replicator.errors import ReplicaMismatchError
+from replicator.errors import ReplicaMismatchError, ReplicatorUsageError
 
-__all__ = ["NONFINITE_POLICIES", "fingerprint", "require_identical", "OutputCheck", "finite_sum"]
+__all__ = ["NONFINITE_POLICIES", "check_nonfinite_policy", "fingerprint", "require_identical", "OutputCheck",
+           "finite_sum"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
+
+
+def check_nonfinite_policy(policy: str) -> None:
+    """Raise ReplicatorUsageError unless `policy` is one of NONFINITE_POLICIES."""
+    if policy not in NONFINITE_POLICIES:
+        raise ReplicatorUsageError(f"nonfinite={policy!r} is not one of {NONFINITE_POLICIES}")
 
 
 def fingerprint(tensor: torch.Tensor) -> int:

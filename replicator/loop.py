@@ -101,8 +101,8 @@ class StepLoop:
 
     Before each step the replicas agree (has a batch? of what size? was an earlier output
     finite?) one step ahead, so the check travels while a step computes. A replica whose
-    input ran out stops every replica at the same step; unequal batch sizes and NaN outputs
-    raise on every replica.
+    input ran out stops every replica at the same step; unequal batch sizes (unless weighted:
+    `GradientState.count_samples`) and NaN outputs raise on every replica.
     """
 
     def __init__(self, agreement: Agreement, context: ReplicaContext, state: GradientState, nonfinite: str) -> None:
@@ -111,6 +111,7 @@ class StepLoop:
         self.state = state
         self.nonfinite = nonfinite
         self._collective_inputs = CollectiveInputs()
+        self._counted: tuple[Any, int] | None = None  # the latest batch counted, and its samples
 
     @property
     def num_replicas(self) -> int:
@@ -125,6 +126,7 @@ class StepLoop:
         outcome = RunOutcome()
         checks: deque[OutputCheck] = deque()  # outputs not yet judged finite, oldest first
         judged: OutputCheck | None = None  # the one the latest announcement carries
+        self.state.in_run = True
         try:
             batch, has_batch = self._next_batch(iterator, observers)
             pending = self._announce(step, batch, has_batch, steps, None)
@@ -138,8 +140,12 @@ class StepLoop:
                 agreed = time.perf_counter() - started
                 for observer in observers:
                     observer.on_agreement_wait(agreed)
-                size = leading_size(batch)
-                self.context.step, self.context.epoch = step, iterator.consume(size)
+                size = self._count(batch)
+                verdict = pending.wait() if pending is not None else None  # this step's, awaited already
+                total = verdict.sums[1] if verdict is not None else size * self.num_replicas
+                uneven = verdict is not None and verdict.minima[1] != verdict.maxima[1]
+                # The input's position counts samples, whatever count_samples weighs the gradient by.
+                self.context.step, self.context.epoch = step, iterator.consume(leading_size(batch))
                 # Announce the next step before running this one: the agreement then travels
                 # while this step computes, instead of adding a round trip between steps.
                 last = steps is not None and step + 1 >= steps
@@ -149,7 +155,14 @@ class StepLoop:
                 judged = checks.popleft() if len(checks) > 1 or (checks and not checks[0].waits_for_a_device) else None
                 pending = self._announce(step + 1, upcoming, has_upcoming, steps, judged)
                 computing = time.perf_counter()
-                output = step_fn(self.context, batch)
+                self.state.begin_step(size, total)
+                # Inside a step whose replicas hold unequal counts, ctx.all_mean weighs each by its count.
+                self.context.sample_share = size / total if uneven and self.state.count_samples else None
+                try:
+                    output = step_fn(self.context, batch)
+                finally:
+                    self.state.end_step()
+                    self.context.sample_share = None
                 check_output(output)
                 if self.nonfinite == "raise":
                     checks.append(OutputCheck(output, step))
@@ -157,7 +170,7 @@ class StepLoop:
                 seconds = agreed + time.perf_counter() - computing
                 self.state.step = step + 1
                 for observer in observers:
-                    observer.on_step_end(step, size * self.num_replicas, output, seconds)
+                    observer.on_step_end(step, total, output, seconds)
                 batch, has_batch = upcoming, has_upcoming
                 yield step, output
                 step += 1
@@ -173,6 +186,7 @@ class StepLoop:
                     self._judge(final.wait(), judged)
         finally:
             self.context.on_collective = None
+            self.state.in_run = False
             for observer in observers:
                 observer.on_run_end()
         outcome.steps = step
@@ -198,13 +212,13 @@ class StepLoop:
         last step it is still made when there is an output to judge.
         """
         nonfinite = judged.locations() if judged is not None else []
+        size = self._count(batch) if has_batch else 0
         if self.num_replicas == 1:
             if judged is not None and nonfinite:
                 raise NonFiniteError(self._nonfinite_message(judged.step, {0: nonfinite}))
             return None
         if steps is not None and step >= steps and judged is None:
             return None
-        size = leading_size(batch) if has_batch else 0
         return self.agreement.start(f"step {step}", "", [int(has_batch), size, int(bool(nonfinite))])
 
     def _must_stop(self, step: int, pending: PendingAgreement, has_batch: bool, ended_early: list[int],
@@ -224,15 +238,29 @@ class StepLoop:
                         flush=True,
                     )
             return True
-        if size_max != size_min:
+        weighted = self.state.count_samples is not None
+        if (size_max != size_min and not weighted) or (weighted and size_min == 0):
             intents = self.agreement.exchange("batch sizes", "", [float(pending.values[1])])
             listing = ", ".join(f"replica {i.replica}: {int(i.values[0])}" for i in intents)
+            if weighted:
+                raise ReplicatorUsageError(
+                    f"some replica has no samples at step {step} ({listing}; raised on replica "
+                    f"{self.context.replica_id}): uneven_batches weighs each replica's gradient by its samples, "
+                    "and an empty batch's mean loss is NaN. Drop empty batches in input_fn."
+                )
             raise ReplicaMismatchError(
                 f"replicas have different batch sizes at step {step} ({listing}), raised on replica "
                 f"{self.context.replica_id}. Averaging their gradients would weight samples unequally. Use a global "
-                "batch divisible by the number of replicas and drop the last partial batch (drop_last=True)."
+                "batch divisible by the number of replicas and drop the last partial batch (drop_last=True), or "
+                "pass rp.Replicator(uneven_batches=\"weighted\") to weigh each replica by its batch size."
             )
         return False
+
+    def _count(self, batch: Any) -> int:
+        """The batch's samples (`GradientState.count_samples`, else its leading size), counted once per batch."""
+        if self._counted is None or self._counted[0] is not batch:
+            self._counted = (batch, int((self.state.count_samples or leading_size)(batch)))
+        return self._counted[1]
 
     def _judge(self, verdict: Verdict, judged: OutputCheck | None) -> None:
         """Raise on every replica if any replica's `judged` output was NaN or infinite."""

@@ -15,7 +15,7 @@ from replicator import _env
 from replicator.context import InputContext, ReplicaContext
 from replicator.epochs import InputPosition
 from replicator.errors import ReplicatorUsageError
-from replicator.health import NONFINITE_POLICIES, require_identical
+from replicator.health import check_nonfinite_policy, require_identical
 from replicator.inputs import ReplicatedInput
 from replicator.job import Job
 from replicator.loop import Checkpointer, Observer, StepLoop, check_run_arguments
@@ -55,6 +55,8 @@ class Replicator:
             the step; "skip" also checks the averaged gradients before every update and
             skips that update on every replica (one extra read of the gradients per step);
             "ignore" checks nothing.
+        uneven_batches: "refuse" (default: unequal batch sizes raise), "weighted" (gradients and ctx.all_mean weigh
+            by batch size) or batch -> count (tokens); sparse_as_dense: densify sparse gradients (Horovod's).
         stages, chunks, schedule, recompute: pipeline model parallelism (GPipe). The job's
             processes form replicas × stages; `repl.pipeline(layers)` returns this process's
             stage, which splits each batch into `chunks` micro-batches and runs `schedule`
@@ -74,13 +76,13 @@ class Replicator:
         timeout_s: float | None = None,
         debug: bool | None = None,
         nonfinite: str = "raise",
+        uneven_batches: str | Callable[[Any], int] = "refuse", sparse_as_dense: bool = False,
         checkpoint: str | None = None,
     ) -> None:
         recompute = resolve_recompute(recompute, checkpoint)  # checkpoint= warns: saved state is run(checkpoint_*)
         if stages < 1 or chunks < 1:
             raise ReplicatorUsageError(f"stages and chunks must be at least 1, got stages={stages}, chunks={chunks}")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ReplicatorUsageError(f"nonfinite={nonfinite!r} is not one of {NONFINITE_POLICIES}")
+        check_nonfinite_policy(nonfinite)
         self.job = job = Job.start(stages=stages, timeout_s=timeout_s, debug=debug)
         # Who am I, read off the job once: none of it changes while the job lives.
         self.topology, self.groups, self.device, self.context = job.topology, job.groups, job.device, job.context
@@ -98,6 +100,7 @@ class Replicator:
         )
         self.skipped_steps = self.optimizers.skipped_steps  # steps whose update nonfinite="skip" dropped
         self.models = ModelScope(self.groups, self.device)
+        self.optimizers.state.configure(uneven_batches, sparse_as_dense, self.models.modules)
         self.last_run: dict[str, Any] = {}
         self._stages: list[PipelineStage] = []
         self._input = InputPosition(self.replica_id, self.num_replicas, self.device, self.is_main, stages)
@@ -111,8 +114,7 @@ class Replicator:
 
     @nonfinite.setter
     def nonfinite(self, policy: str) -> None:
-        if policy not in NONFINITE_POLICIES:
-            raise ReplicatorUsageError(f"nonfinite={policy!r} is not one of {NONFINITE_POLICIES}")
+        check_nonfinite_policy(policy)
         self.optimizers.nonfinite = policy
 
     @property

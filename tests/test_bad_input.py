@@ -128,7 +128,7 @@ def test_indivisible_global_batch(run_failing_fast: Callable[..., Any]) -> None:
 
 def test_unequal_batch_sizes(run_failing_fast: Callable[..., Any]) -> None:
     expect_everywhere(run_failing_fast, unequal_batches, "ReplicaMismatchError", "replica 0: 4, replica 1: 3",
-                      "drop_last")
+                      "drop_last", 'uneven_batches="weighted"')
 
 
 def test_model_on_wrong_device(run_failing_fast: Callable[..., Any]) -> None:

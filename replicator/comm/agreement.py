@@ -134,10 +134,11 @@ class Agreement:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The replicas' extremes of each announced value."""
+    """The replicas' extremes of each announced value, and its sum over them."""
 
     maxima: tuple[int, ...]
     minima: tuple[int, ...]
+    sums: tuple[int, ...] = ()
 
     @property
     def unanimous(self) -> bool:
@@ -203,7 +204,8 @@ class PendingAgreement:
             intents = self.agreement.exchange(self.signature, self.site, [float(v) for v in self.values])
             raise ReplicaMismatchError(describe_mismatch(intents, self.agreement.rank))
         count = len(self.values) + 1
-        self._verdict = Verdict(tuple(maxima[1:count]), tuple(minima[1:count]))
+        sums = rows[:, 1:count].sum(dim=0).tolist()
+        self._verdict = Verdict(tuple(maxima[1:count]), tuple(minima[1:count]), tuple(sums))
         return self._verdict
 
 

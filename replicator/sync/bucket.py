@@ -65,6 +65,14 @@ class Bucket:
     # Each parameter's slice of the buffer, shaped like it: made once, since every view made
     # from Python during backward is a dispatcher call on a cold cache.
     views: list[torch.Tensor] = field(default_factory=list)
+    # Positions whose sparse gradients travel as indices and values beside the buffer (the
+    # synchronizer decides, the same on every replica); any other sparse gradient is densified.
+    gathered: set[int] = field(default_factory=set)
+    # This round's sparse gradients of those positions, coalesced and scaled.
+    sparse: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Gradients that carry a graph (backward(create_graph=True)), by position: the average
+    # handed back stays differentiable through this replica's share.
+    graphs: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.views = [self.buffer[start : start + param.numel()].view_as(param)
@@ -80,28 +88,33 @@ class Bucket:
     def load(self, position: int, scale: float) -> None:
         """Copy the parameter's gradient in, times `scale` (zeros and absent if it has none).
 
-        Scaling on the way in (by 1/replicas) saves a separate pass over the reduced buffer.
+        Scaling on the way in (by 1/replicas, or by this replica's share of the samples) saves a
+        separate pass over the reduced buffer. A sparse gradient of a gathered position is kept
+        aside (its slot stays zero and absent); any other is densified into its slot.
         """
         grad = self.params[position].grad
         view = self.views[position]
         if not self.flags:
             self.flags = [0] * len(self.params)
-        if grad is None:
+        self.ready.add(position)
+        if grad is None or (grad.is_sparse and position in self.gathered):
             view.zero_()
             self.flags[position] = 0
-        else:
-            if grad.is_sparse:
-                raise TypeError(
-                    "sparse gradients are not supported by the gradient synchronizer; use dense embeddings")
-            if grad.data_ptr() == view.data_ptr():
-                # .grad is still this bucket's view (zero_grad(set_to_none=False) kept it, or a
-                # second backward in the window added into the average). Give it its own storage
-                # before the buffer is scaled and reduced in place: autograd may add into it again
-                # while the reduction runs (a weight shared by reentrant checkpoint segments).
-                grad = self.params[position].grad = grad.clone()
-            torch.mul(grad, scale, out=view)
-            self.flags[position] = 1
-        self.ready.add(position)
+            if grad is not None:
+                self.sparse[position] = grad.detach().coalesce() * scale
+            return
+        if grad.is_sparse:
+            grad = grad.to_dense()
+        elif grad.data_ptr() == view.data_ptr():
+            # .grad is still this bucket's view (zero_grad(set_to_none=False) kept it, or a
+            # second backward in the window added into the average). Give it its own storage
+            # before the buffer is scaled and reduced in place: autograd may add into it again
+            # while the reduction runs (a weight shared by reentrant checkpoint segments).
+            grad = self.params[position].grad = grad.clone()
+        if grad.requires_grad and torch.is_grad_enabled():
+            self.graphs[position] = grad  # a backward pass with create_graph=True made it
+        torch.mul(grad.detach(), scale, out=view)
+        self.flags[position] = 1
 
     def write_presence(self) -> None:
         """Put the presence flags in the buffer's tail, once per launch.
@@ -117,6 +130,8 @@ class Bucket:
 
     def reset(self) -> None:
         self.ready.clear()
+        self.sparse.clear()
+        self.graphs.clear()
         self.launched = False
         self.pending = None
         self.arrival = None

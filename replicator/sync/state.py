@@ -1,10 +1,34 @@
-"""GradientState: accumulation and no_sync as one named object that the synchronizers read."""
+"""GradientState: accumulation, no_sync, the running step and its samples, one named object for the synchronizers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["GradientState", "UpdateCount"]
+import torch
+
+from replicator._tree import leading_size
+from replicator.errors import ReplicatorUsageError
+
+__all__ = ["GradientState", "UpdateCount", "UNEVEN_BATCHES", "sample_counter"]
+
+UNEVEN_BATCHES = ("refuse", "weighted")
+
+
+def sample_counter(uneven_batches: str | Callable[[Any], int]) -> Callable[[Any], int] | None:
+    """How a batch's samples are counted for `uneven_batches`; None when batches must be equal ("refuse").
+
+    "weighted" counts the leading size of the batch's first tensor (replicator._tree.leading_size);
+    a function of the batch counts what the loss averages over (tokens, say) and implies weighting.
+    """
+    if callable(uneven_batches):
+        return uneven_batches
+    if uneven_batches not in UNEVEN_BATCHES:
+        raise ReplicatorUsageError(
+            f"uneven_batches={uneven_batches!r} is not one of {UNEVEN_BATCHES} or a function batch -> sample count")
+    return leading_size if uneven_batches == "weighted" else None
 
 
 @dataclass
@@ -15,11 +39,31 @@ class GradientState:
     (`no_sync_depth > 0`) backward passes accumulate locally. `step` counts the training's
     completed steps (`repl.global_step`; during step_fn, the step being run): the step loop
     advances it, and skipped updates and error messages name it.
+
+    The step loop also says when a run and its step_fn are under way (`in_run`, `in_step`)
+    and, with `count_samples` (uneven_batches="weighted"), how many samples this replica and
+    all of them hold in each step: gradients are then weighted by those counts.
     """
 
     accumulation: int = 1
     no_sync_depth: int = 0
     step: int = 0
+    count_samples: Callable[[Any], int] | None = None
+    sparse_as_dense: bool = False
+    in_run: bool = False
+    in_step: bool = False
+    # The modules built in repl.scope(): outside run(), their train/eval mode decides whether a
+    # backward pass communicates. The scope extends this very list.
+    modules: list[torch.nn.Module] = field(default_factory=list)
+    # (step, this replica's samples, every replica's) of the latest steps, when weighting.
+    _samples: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=4096))
+
+    def configure(self, uneven_batches: str | Callable[[Any], int], sparse_as_dense: bool,
+                  modules: list[torch.nn.Module]) -> None:
+        """Take the Replicator's choices (see `sample_counter`) and the list its scope fills with modules."""
+        self.count_samples = sample_counter(uneven_batches)
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self.modules = modules
 
     def last_micro_step(self, count: UpdateCount) -> bool:
         """Is the micro-step now running the last of an update of `count`'s optimizer?"""
@@ -32,6 +76,43 @@ class GradientState:
     def mid_accumulation(self, count: UpdateCount) -> bool:
         """Has `count`'s optimizer taken some, but not all, micro-steps of an update?"""
         return count.calls % self.accumulation != 0
+
+    # -- the running step -----------------------------------------------------------------
+    def begin_step(self, mine: int, everyone: int) -> None:
+        """step_fn is about to run step `step` over `mine` of the `everyone` samples all replicas hold."""
+        self.in_step = True
+        if self.count_samples is not None:
+            self._samples.append((self.step, mine, everyone))
+
+    def end_step(self) -> None:
+        self.in_step = False
+
+    def samples_since(self, first_step: int) -> list[tuple[int, int]]:
+        """(this replica's, every replica's) samples of each step from `first_step` to the running one.
+
+        Empty unless gradients are weighted and step_fn is running: gradients are then averaged evenly.
+        """
+        if self.count_samples is None or not self.in_step:
+            return []
+        # An update spans at most `accumulation` steps, whatever an optimizer's first step was.
+        recent = [(mine, everyone) for step, mine, everyone in self._samples if step >= first_step]
+        return recent[-self.accumulation :]
+
+    def communicates(self) -> bool:
+        """Should a backward pass that ends an update average its gradients as it runs?
+
+        Inside run()'s step_fn every replica runs it: yes. Between a run's steps (the body of
+        `for ... in repl.run(...)`) training belongs in step_fn, so no. Outside run(), a manual
+        training loop does (every replica calls backward, as with DDP) unless the models are in
+        eval mode: evaluation or saliency on one replica then needs no partner. A backward pass
+        that stays local is still averaged by the optimizer's step(), if one follows.
+        """
+        if self.in_step:
+            return True
+        if self.in_run:
+            return False
+        trained = [module for module in self.modules if next(module.parameters(), None) is not None]
+        return not trained or any(module.training for module in trained)
 
 
 @dataclass

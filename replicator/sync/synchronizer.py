@@ -8,10 +8,19 @@ some parameters get no gradient on some replicas. `finalize()` launches what is 
 and makes every `.grad` the average. It runs at the end of the backward pass that
 synchronizes, as DDP's does, so that code between `backward()` and `step()`
 (`torch.nn.utils.clip_grad_norm_`, logging a gradient norm) sees what one process would see.
+
+A backward pass outside run()'s step_fn may stay local (`GradientState.communicates`): one
+replica's evaluation or saliency pass then waits for no partner, and `step()` averages what
+such passes accumulated, like any gradient no backward pass reached. Sparse gradients of
+sparse embeddings travel as indices and values (`replicator.sync.sparse`); a gradient with
+a graph (`create_graph=True`) comes back as the average, differentiable through this
+replica's share.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -23,11 +32,24 @@ from replicator.comm.agreement import Agreement, PendingAgreement, call_site, ra
 from replicator.errors import ReplicatorUsageError
 from replicator.health import finite_sum
 from replicator.sync.bucket import Bucket, Reducer, assign_buckets
+from replicator.sync.sparse import sparse_parameters, sum_sparse
 from replicator.sync.state import GradientState, UpdateCount
 
 __all__ = ["GradientSynchronizer"]
 
 _FIRST_BUCKET_BYTES = 1 << 20
+_SKIPPED_DIRS = tuple(os.path.dirname(module.__file__ or "") + os.sep
+                      for module in (sys.modules["replicator"], torch))
+
+
+def _backward_site() -> str:
+    """'file.py:42 in step_fn' for the innermost frame outside replicator and torch: where backward() was called."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED_DIRS):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "<unknown>"  # the autograd engine's own thread (a GPU backward)
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 class GradientSynchronizer:
@@ -76,10 +98,16 @@ class GradientSynchronizer:
                 for position, param in enumerate(bucket.params):
                     self._location[id(param)] = (bucket, position)
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.params]
+        if state.count_samples is not None:  # weighted: a micro-step's gradients enter with its samples' weight
+            self._hooks += [p.register_hook(self._weigh) for p in self.params]
         self._next_bucket = 0
         self._window_open = False
         self._windows = 0
+        self._rounds = 0  # rounds of the open window
         self._reduced = False
+        self._update_start = state.step  # the step at which the current update began (for weighting)
+        self._local_pass: int | None = None  # the latest backward pass that stayed local
+        self._sparse_from: tuple[int, bool] | None = None  # (modules, sparse_as_dense) `gathered` was set for
         self._agreement_in_flight: PendingAgreement | None = None
         self._finalize_pass: int | None = None  # the backward pass that will end by finalizing
         # Set while a pipeline step runs: its replicas first agree that the step succeeded.
@@ -89,11 +117,22 @@ class GradientSynchronizer:
         return self.names.get(id(param), f"<parameter of shape {tuple(param.shape)}>")
 
     # -- during backward -------------------------------------------------------------
+    def _weigh(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """A micro-step's gradient times its samples over the update's first micro-step's (uneven accumulation)."""
+        samples = self.state.samples_since(self._update_start)
+        if len(samples) < 2 or samples[-1][0] == samples[0][0] or not samples[0][0]:
+            return None
+        return grad * (samples[-1][0] / samples[0][0])
+
     def _on_gradient(self, param: torch.nn.Parameter) -> None:
         if not self.state.completes_update(self.count):
             return
         backward_pass = torch._C._current_graph_task_id()
         if backward_pass != self._finalize_pass:
+            if backward_pass == self._local_pass or not self.state.communicates():
+                self._stay_local(backward_pass)
+                return
+            self._gather_sparse_of_known_modules()
             # Runs when this backward pass ends, in the thread that ran it; its errors come out
             # of backward(). (The autograd engine's final callbacks: what DDP and FSDP use.)
             # Keyed by the pass, so that one that raised before its end leaves nothing stale.
@@ -111,15 +150,31 @@ class GradientSynchronizer:
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].complete:
             self._launch(self.buckets[self._next_bucket])
 
+    def _stay_local(self, backward_pass: int) -> None:
+        if backward_pass != self._local_pass and self._reduced:
+            raise ReplicatorUsageError(
+                f"a backward pass at {_backward_site()} on replica {self.agreement.rank} stayed local (it ran outside "
+                f"run()'s step_fn {'between steps' if self.state.in_run else 'in eval mode'}) but added into "
+                f"gradients of {self.label} already averaged for the next optimizer.step(): the replicas would step "
+                "apart. Call optimizer.zero_grad() before it, or run it inside step_fn on every replica"
+            )
+        self._local_pass = backward_pass
+
     def _launch(self, bucket: Bucket) -> None:
-        # The buffer must be complete, presence slots included, before the window's check
+        # The buffer must be complete, presence slots included, before the round's check
         # starts: a reducer may take that check's completion as proof that every row is loaded.
         bucket.write_presence()
-        if not self._window_open:
-            self._window_open = True
-            self._windows += 1
-            # Checked without blocking: the verdict is awaited before the buckets are.
-            self._agreement_in_flight = self.agreement.start(f"gradient sync of {self.label}, window {self._windows}")
+        if self._next_bucket == 0:  # the first launch of a round
+            if not self._window_open:
+                self._window_open = True
+                self._windows += 1
+            self._rounds += 1
+            # Every round is agreed, and names its step, so a backward pass that only some replicas
+            # run (a saliency pass on replica 0 inside step_fn) fails on all of them, naming where
+            # it was called. Checked without blocking: the verdict is awaited before the buckets are.
+            what = f"gradient sync of {self.label}, step {self.state.step}, window {self._windows}"
+            what += f", round {self._rounds}" if self._rounds > 1 else ""
+            self._agreement_in_flight = self.agreement.start(what, _backward_site())
             bucket.arrival = self._agreement_in_flight
         if self.debug:
             started = time.perf_counter()
@@ -163,7 +218,25 @@ class GradientSynchronizer:
 
     # -- at step ---------------------------------------------------------------------
     def _scale(self) -> float:
-        return 1.0 / (self.size * self.state.accumulation)
+        """What this replica's gradients are multiplied by, so that their sum over replicas is the average.
+
+        Weighted (uneven batches): this replica's samples of the update's first micro-step over
+        all samples of the update; `_weigh` already scaled later micro-steps relative to the first.
+        """
+        samples = self.state.samples_since(self._update_start)
+        if not samples or not samples[0][0]:  # an empty batch on one replica: its loss is NaN anyway
+            return 1.0 / (self.size * self.state.accumulation)
+        return samples[0][0] / sum(everyone for _, everyone in samples)
+
+    def _gather_sparse_of_known_modules(self) -> None:
+        """Mark the parameters whose sparse gradients are gathered: sparse embeddings built in repl.scope()."""
+        seen = (len(self.state.modules), self.state.sparse_as_dense)
+        if seen == self._sparse_from or self.size == 1:
+            return
+        self._sparse_from = seen
+        gathered = set() if self.state.sparse_as_dense else sparse_parameters(self.state.modules)
+        for bucket in self.buckets:
+            bucket.gathered = {position for position, param in enumerate(bucket.params) if id(param) in gathered}
 
     def finalize(self) -> None:
         """Make every gradient the replicas' average, over the accumulated micro-steps too.
@@ -178,13 +251,17 @@ class GradientSynchronizer:
                     "repl.wrap_optimizer(...)"
                 )
         if self.size == 1:
-            if self.state.accumulation != 1:
-                grads = [p.grad for p in self.params if p.grad is not None]
-                if grads:
-                    torch._foreach_div_(grads, float(self.state.accumulation))
+            grads = [p.grad for p in self.params if p.grad is not None]
+            scale = self._scale()  # 1 / accumulation unless micro-steps are weighted by unequal samples
+            if grads and scale != 1.0 / self.state.accumulation:
+                torch._foreach_mul_(grads, scale)
+            elif grads and self.state.accumulation != 1:
+                torch._foreach_div_(grads, float(self.state.accumulation))
             self._reduced = True
             return
+        self._gather_sparse_of_known_modules()
         self._finish_round()
+        sparse = self._sum_sparse()
         for bucket in self.buckets:
             # Counts are read back only where this replica had no gradient of its own.
             counts = None if all(bucket.flags) else bucket.presence().tolist()
@@ -193,7 +270,29 @@ class GradientSynchronizer:
                 # gradient_as_bucket_view); load() unties it if it is still there next step.
                 no_replica_had_one = counts is not None and counts[position] == 0
                 param.grad = None if no_replica_had_one else bucket.views[position]
+                if position in bucket.graphs:
+                    # The average's value, with the derivative of this replica's own share: a second
+                    # backward through it (a gradient penalty) adds this replica's part, which the
+                    # next round averages, as one process would differentiate the average.
+                    local = bucket.graphs[position]
+                    param.grad = bucket.views[position] + (local - local.detach())
+                summed = sparse.get(id(param))
+                if summed is not None:  # dense where some replica's gradient was dense (a tied weight)
+                    param.grad = summed if param.grad is None else param.grad.add_(summed)
         self._reduced = True
+
+    def _sum_sparse(self) -> dict[int, torch.Tensor]:
+        """The sums of the gathered sparse gradients, by parameter id (none where no replica had one)."""
+        positions = [(bucket, position) for bucket in self.buckets for position in sorted(bucket.gathered)]
+        if not positions or self.group is None:
+            return {}
+        try:
+            summed = sum_sparse([bucket.sparse.get(position) for bucket, position in positions],
+                                [bucket.params[position] for bucket, position in positions], self.group)
+        except RuntimeError as error:
+            raise_with_stragglers(self.agreement.group, f"sparse gradients of {self.label}", error)
+        return {id(bucket.params[position]): total
+                for (bucket, position), total in zip(positions, summed) if total is not None}
 
     def _finalize_after_backward(self) -> None:
         self._finalize_pass = None
@@ -207,8 +306,9 @@ class GradientSynchronizer:
     def gradients_finite(self) -> bool:
         """After finalize(): are all averaged gradients finite? The same answer on every replica."""
         if self.size > 1:
-            return finite_sum(bucket.buffer[: bucket.numel] for bucket in self.buckets)
-        return finite_sum(p.grad for p in self.params if p.grad is not None)
+            sparse = [p.grad._values() for p in self.params if p.grad is not None and p.grad.is_sparse]
+            return finite_sum([*(bucket.buffer[: bucket.numel] for bucket in self.buckets), *sparse])
+        return finite_sum(p.grad._values() if p.grad.is_sparse else p.grad for p in self.params if p.grad is not None)
 
     def end_window(self, discard: bool = False) -> None:
         """Close the window after `step` (or `zero_grad`, which discards its reductions).
@@ -220,7 +320,10 @@ class GradientSynchronizer:
             self._finish_round()
         self._start_round()
         self._window_open = False
+        self._rounds = 0
         self._finalize_pass = None  # one that raised before its end never ran its callback
+        # The next update starts with this step (zero_grad) or the next one (step).
+        self._update_start = self.state.step + (0 if discard or not self.state.in_step else 1)
 
     def abandon(self) -> None:
         """Close a window that a failed step left in any state; every replica calls it at the same point.
