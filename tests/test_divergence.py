@@ -1,4 +1,4 @@
-"""No silent divergence: a forgotten wrap_optimizer, different models, late parameters, optimizer state, lazy modules."""
+"""No silent divergence: a forgotten wrap_optimizer, different models, late parameters, optimizer state, lazy layers."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ GLOBAL_BATCH = 8
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(5)
-    return torch.randn(STEPS, GLOBAL_BATCH, 4, generator=generator), torch.randn(STEPS, GLOBAL_BATCH, 2, generator=generator)
+    inputs = torch.randn(STEPS, GLOBAL_BATCH, 4, generator=generator)
+    return inputs, torch.randn(STEPS, GLOBAL_BATCH, 2, generator=generator)
 
 
 def _shard(repl: rp.Replicator, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +77,8 @@ def test_forgetting_wrap_optimizer_raises_on_every_replica_naming_the_parameters
         run_failing_fast: Callable[..., Any]) -> None:
     with pytest.raises(ReplicaFailure) as caught:
         run_failing_fast(_forgets_wrap_optimizer, 2)
-    _everyone_raised(caught, 2, "ReplicatorUsageError", "Sequential.0.weight", "Sequential.1.bias",
+    _everyone_raised(caught, 2, "ReplicatorUsageError",
+                     "Sequential.0.weight, Sequential.0.bias, Sequential.1.weight, Sequential.1.bias got",
                      "by step 0", "repl.wrap_optimizer(")
 
 

@@ -122,6 +122,7 @@ class UnownedGradients:
     def __init__(self, agreement: Agreement, watched: list[tuple[str, torch.Tensor]]) -> None:
         self.agreement = agreement
         self.seen: dict[int, str] = {}
+        self._order = {id(param): number for number, (_, param) in enumerate(watched)}  # the model's order
         self._hooks = [param.register_post_accumulate_grad_hook(functools.partial(self._saw, name))
                        for name, param in watched]
         self._watching = True
@@ -142,7 +143,7 @@ class UnownedGradients:
             self.check(step)
 
     def check(self, step: int) -> None:
-        names = ", ".join(self.seen.values())
+        names = ", ".join(name for key, name in sorted(self.seen.items(), key=lambda item: self._order[item[0]]))
         if self.agreement.size == 1:
             if self.seen:
                 warnings.warn(f"{names} got gradients but no optimizer wrapped with repl.wrap_optimizer() owns them; "
@@ -156,7 +157,7 @@ class UnownedGradients:
             self._stop()
             raise ReplicatorUsageError(
                 f"{names or 'parameters on another replica'} got gradients by step {step} but no optimizer wrapped "
-                f"with repl.wrap_optimizer() owns them (raised on replica {self.agreement.rank}): nobody averages "
+                f"with repl.wrap_optimizer() owns them (raised on replica {self.agreement.rank}), so nobody averages "
                 "those gradients, so every replica would train its own copy of the model. Wrap the optimizer that "
                 "updates them inside the scope, `optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), "
                 "...))`, or freeze them with requires_grad_(False)"
