@@ -87,6 +87,24 @@ def test_forgetting_wrap_optimizer_on_one_replica_trains_and_warns() -> None:
         _forgets_wrap_optimizer()
 
 
+def _trains_the_head_only() -> list[torch.Tensor]:
+    repl = rp.Replicator()
+    with repl.scope():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+        # The body gets gradients (nobody froze it) but no optimizer updates it: it stays identical.
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model[2].parameters(), lr=0.1))
+    _train(repl, model, optimizer)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_gradients_of_a_body_that_no_optimizer_updates_are_fine_as_under_ddp() -> None:
+    expected = _trains_the_head_only()
+    for replica, got in enumerate(run_replicas(_trains_the_head_only, 2)):
+        for mine, want in zip(got, expected):
+            assert torch.allclose(mine, want, atol=1e-6), (replica, mine, want)
+
+
 # -- replicas that drift apart during a run (issue 14, item 3) ---------------------------------------------
 def _drifts(directory: str | None) -> None:
     repl = rp.Replicator()

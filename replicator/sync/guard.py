@@ -4,7 +4,7 @@
 parameters and buffers, the wrapped optimizers' parameters, state and hyperparameters) in
 one agreement of two digests: at the start and end of `run()` and before every checkpoint.
 `UnownedGradients` catches the usual cause of drift early: a trainable parameter that gets a
-gradient although no wrapped optimizer owns it (`repl.wrap_optimizer` forgotten).
+gradient and is updated although no wrapped optimizer owns it (`repl.wrap_optimizer` forgotten).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class ReplicaGuard:
         return named
 
     def watch_gradients(self) -> UnownedGradients:
-        """An observer of the run that refuses gradients of trainable parameters no wrapped optimizer owns."""
+        """An observer of the run that refuses updates from gradients no wrapped optimizer synchronized."""
         unowned = [(self.names.get(id(p), name), p) for module in self.modules()
                    for name, p in module.named_parameters(prefix=type(module).__name__)
                    if p.requires_grad and not is_lazy(p) and id(p) not in self.optimizers.owner]
@@ -110,19 +110,23 @@ def _as_tensor(value: Any) -> torch.Tensor | None:
 
 
 class UnownedGradients:
-    """A run observer: trainable parameters that no wrapped optimizer owns must never get a gradient.
+    """A run observer: a trainable parameter that no wrapped optimizer owns must not be trained.
 
     Post-accumulate-grad hooks on those parameters only (usually none) note a gradient as
-    backward produces it, even if step_fn clears it again. The replicas compare notes after
-    the run's 1st, 2nd, 4th, 8th... step, in one agreement of two counts, and stop once no
-    replica has such parameters; a gradient anywhere raises on every replica. On one replica
-    nothing can diverge, so it only warns.
+    backward produces it, even if step_fn clears it again; the parameter's version counter,
+    which every in-place update (an optimizer's step) advances, tells whether it then changed.
+    Gradients alone are fine, as under DDP (a body that fine-tuning does not train but forgot to
+    freeze stays identical). The replicas compare notes after the run's 1st, 2nd, 4th, 8th...
+    step, in one agreement of two counts, and stop once no replica has such parameters; an
+    update anywhere raises on every replica. On one replica nothing can diverge: it warns.
     """
 
     def __init__(self, agreement: Agreement, watched: list[tuple[str, torch.Tensor]]) -> None:
         self.agreement = agreement
         self.seen: dict[int, str] = {}
         self._order = {id(param): number for number, (_, param) in enumerate(watched)}  # the model's order
+        self._params = {id(param): param for _, param in watched}
+        self._versions = {id(param): param._version for _, param in watched}
         self._hooks = [param.register_post_accumulate_grad_hook(functools.partial(self._saw, name))
                        for name, param in watched]
         self._watching = True
@@ -143,24 +147,27 @@ class UnownedGradients:
             self.check(step)
 
     def check(self, step: int) -> None:
-        names = ", ".join(name for key, name in sorted(self.seen.items(), key=lambda item: self._order[item[0]]))
+        trained = sorted((key for key in self.seen if self._params[key]._version != self._versions[key]),
+                         key=self._order.__getitem__)
+        names = ", ".join(self.seen[key] for key in trained)
         if self.agreement.size == 1:
-            if self.seen:
-                warnings.warn(f"{names} got gradients but no optimizer wrapped with repl.wrap_optimizer() owns them; "
-                              "on one replica this trains as plain PyTorch does, but with several replicas each "
-                              "would train its own copy, and run() raises", stacklevel=2)
+            if trained:
+                warnings.warn(f"{names} got gradients and were updated, but no optimizer wrapped with "
+                              "repl.wrap_optimizer() owns them: on one replica this trains as plain PyTorch does, "
+                              "but with several replicas each would train its own copy, and run() raises",
+                              stacklevel=2)
                 self._stop()
             return
-        verdict = self.agreement.require_same("check that every gradient is synchronized", "",
-                                              [len(self._hooks), len(self.seen)])
+        verdict = self.agreement.require_same("check that every trained parameter is synchronized", "",
+                                              [len(self._hooks), len(trained)])
         if verdict.maxima[1]:
             self._stop()
             raise ReplicatorUsageError(
-                f"{names or 'parameters on another replica'} got gradients by step {step} but no optimizer wrapped "
-                f"with repl.wrap_optimizer() owns them (raised on replica {self.agreement.rank}), so nobody averages "
-                "those gradients, so every replica would train its own copy of the model. Wrap the optimizer that "
-                "updates them inside the scope, `optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), "
-                "...))`, or freeze them with requires_grad_(False)"
+                f"{names or 'parameters on another replica'} got gradients and were updated by step {step}, but no "
+                f"optimizer wrapped with repl.wrap_optimizer() owns them (raised on replica {self.agreement.rank}): "
+                "nobody averages their gradients, so every replica would train its own copy of the model. Wrap the "
+                "optimizer that updates them inside the scope, `optimizer = repl.wrap_optimizer(torch.optim.SGD("
+                "model.parameters(), ...))`, or freeze them with requires_grad_(False)"
             )
         if verdict.maxima[0] == 0:  # no replica has such parameters: nothing more to watch
             self._stop()
