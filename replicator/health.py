@@ -1,21 +1,17 @@
-"""Numerical health across replicas: identical parameters and finite losses and gradients."""
+"""Numerical health across replicas: finite losses and gradients (identical parameters: replicator.identity)."""
 
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from replicator._tree import leaves_with_paths
-from replicator.comm.agreement import Agreement
-from replicator.errors import ReplicaMismatchError, ReplicatorUsageError
+from replicator.errors import ReplicatorUsageError
 
-__all__ = ["NONFINITE_POLICIES", "check_nonfinite_policy", "fingerprint", "require_identical", "OutputCheck",
-           "finite_sum"]
+__all__ = ["NONFINITE_POLICIES", "check_nonfinite_policy", "OutputCheck", "finite_sum"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
@@ -24,45 +20,6 @@ def check_nonfinite_policy(policy: str) -> None:
     """Raise ReplicatorUsageError unless `policy` is one of NONFINITE_POLICIES."""
     if policy not in NONFINITE_POLICIES:
         raise ReplicatorUsageError(f"nonfinite={policy!r} is not one of {NONFINITE_POLICIES}")
-
-
-def fingerprint(tensor: torch.Tensor) -> int:
-    """A CRC of the tensor's bytes: equal exactly when the values are bit-for-bit equal."""
-    data = tensor.detach().to("cpu").reshape(-1)  # 1-d: a 0-d tensor cannot be viewed as bytes
-    return zlib.crc32(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-
-
-def require_identical(agreement: Agreement, named: list[tuple[str, torch.Tensor]], where: str) -> None:
-    """Raise on every replica unless all replicas hold bit-identical `named` tensors.
-
-    One agreement of a combined fingerprint in the common case; on a mismatch, the
-    per-tensor fingerprints are gathered so the error can name the first tensors that differ.
-    """
-    if agreement.size == 1:
-        return
-    prints = [fingerprint(tensor) for _, tensor in named]
-    combined = zlib.crc32(b"".join(value.to_bytes(4, "little") for value in prints))
-    layout = ";".join(f"{name}{tuple(tensor.shape)}{tensor.dtype}" for name, tensor in named)
-    verdict = agreement.start(f"parameters and buffers {where} ({len(named)} tensors, layout crc "
-                              f"{zlib.crc32(layout.encode())})", "", [combined]).wait()
-    if verdict.unanimous:
-        return
-    mine = torch.tensor(prints, dtype=torch.int64)
-    everyone = [torch.empty_like(mine) for _ in range(agreement.size)]
-    dist.all_gather(everyone, mine, group=agreement.group)
-    reference = everyone[0]
-    differing = {replica: [name for (name, _), a, b in zip(named, theirs.tolist(), reference.tolist()) if a != b]
-                 for replica, theirs in enumerate(everyone) if not torch.equal(theirs, reference)}
-    lines = [f"replicas hold different parameters or buffers {where} (raised on replica {agreement.rank}):"]
-    for replica, names in differing.items():
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        lines.append(f"  replica {replica} differs from replica 0 in {shown}")
-    lines.append(
-        "Training them together would average gradients of different models. Build and load the model inside "
-        "`with repl.scope():` (which copies replica 0's values to every replica) and do not change parameters "
-        "on some replicas only (for example loading a checkpoint on replica 0 alone: use repl.restore)."
-    )
-    raise ReplicaMismatchError("\n".join(lines))
 
 
 def _numbers(output: Any) -> Iterator[tuple[str, torch.Tensor | float]]:

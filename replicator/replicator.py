@@ -15,14 +15,16 @@ from replicator import _env
 from replicator.context import InputContext, ReplicaContext
 from replicator.epochs import InputPosition
 from replicator.errors import ReplicatorUsageError
-from replicator.health import check_nonfinite_policy, require_identical
+from replicator.health import check_nonfinite_policy
 from replicator.inputs import ReplicatedInput
 from replicator.job import Job
 from replicator.loop import Checkpointer, Observer, StepLoop, check_run_arguments
 from replicator.pipeline.randomness import seed_stage
 from replicator.pipeline.recompute import resolve_recompute
 from replicator.scope import ModelScope
+from replicator.sync.broadcast import broadcast_state
 from replicator.sync.buffers import average_buffers
+from replicator.sync.guard import ReplicaGuard
 from replicator.sync.optimizer import SyncedOptimizers
 from replicator.sync.reducers import Reducer, make_reducer
 from replicator.telemetry import Progress, StepTimes, summarize_run
@@ -93,19 +95,19 @@ class Replicator:
         self.num_stages, self.chunks, self.schedule, self.recompute = stages, chunks, schedule, recompute
         self.reducer = make_reducer(reducer, self.groups, timeout_s=job.timeout_s, device=self.device)
         job.close_with(self.reducer)
-        self.optimizers = SyncedOptimizers(
+        models = self.models = ModelScope(self.groups, self.device, job.replica_agreement)
+        self.optimizers = SyncedOptimizers(adopt=self.models.adopt,
             context=self.context, group=self.groups.replica, agreement=job.replica_agreement,
             reducer=self.reducer, bucket_cap_bytes=int(bucket_cap_mb * (1 << 20)), nonfinite=nonfinite,
             debug=job.debug, is_main=self.is_main,
         )
         self.skipped_steps = self.optimizers.skipped_steps  # steps whose update nonfinite="skip" dropped
-        self.models = ModelScope(self.groups, self.device)
-        self.optimizers.state.configure(uneven_batches, sparse_as_dense, self.models.modules)
+        self.optimizers.state.configure(uneven_batches, sparse_as_dense, models.modules)
+        self.guard = ReplicaGuard(job.replica_agreement, self.optimizers, self._trained_modules, models.tensor_names)
         self.last_run: dict[str, Any] = {}
         self._stages: list[PipelineStage] = []
         self._input = InputPosition(self.replica_id, self.num_replicas, self.device, self.is_main, stages)
         self._restored = False
-        self._checked_identical = False  # run() compares the replicas' parameters once
 
     @property
     def nonfinite(self) -> str:
@@ -151,17 +153,19 @@ class Replicator:
 
         Returns the same optimizer object (so LR schedulers and state_dict work as usual).
         Reductions start during backward, bucket by bucket, and the backward pass ends with
-        the averages in `.grad`; `step()` averages whatever no backward pass reached.
+        the averages in `.grad`; `step()` averages whatever no backward pass reached. Parameter
+        groups added later with `optimizer.add_param_group` start from replica 0's values too.
         """
-        if not self.models.is_open:
-            raise ReplicatorUsageError(
-                f"wrap_optimizer() was called outside repl.scope() (replica {self.replica_id}); create the model "
-                "and wrap its optimizer inside `with repl.scope():` so that every replica starts identical"
-            )
-        if isinstance(optimizer, torch.optim.Optimizer):
-            self.models.tensor_names.update(self.models.names())
-            self.models.check_devices([p for g in optimizer.param_groups for p in g["params"]], "in wrap_optimizer()")
+        self.models.check_wrappable(optimizer)
         return self.optimizers.wrap(optimizer, self.models.tensor_names)
+
+    def broadcast_state(self, *objects: torch.nn.Module | torch.optim.Optimizer) -> None:
+        """Copy replica 0's parameters and buffers (modules) and state and options (optimizers) to every replica.
+
+        For state loaded on replica 0 only (Horovod's recipe); every replica calls it. run() refuses
+        to start while the replicas' parameters or optimizer states differ.
+        """
+        broadcast_state(objects, self.groups, self.job.replica_agreement, self.models.names())
 
     def wrap_scheduler(self, scheduler: Any) -> Any:
         """Make an LR scheduler step only when its optimizer really stepped (accumulation)."""
@@ -260,16 +264,14 @@ class Replicator:
         times = StepTimes(warmup_steps=warmup_steps)
         self.context.on_wait = times.add_communication
         self.optimizers.set_on_wait(times.add_communication)
-        if not self._checked_identical:
-            named = self.models.named_state(self.optimizers.parameters())
-            require_identical(self.job.replica_agreement, named, "at the start of run()")
-            self._checked_identical = True
-        observers: list[Observer] = [times, Progress(steps, enabled=show)]
+        self.guard.require_identical("at the start of run()")  # parameters, buffers and optimizer state
+        observers: list[Observer] = [times, Progress(steps, enabled=show), self.guard.watch_gradients()]
         if checkpoint_every and checkpoint_dir is not None:
             observers.append(Checkpointer(checkpoint_every, functools.partial(self._save_step, checkpoint_dir, keep)))
         loop = StepLoop(self.job.agreement, self.context, self.optimizers.state, self.nonfinite)
         outcome = yield from loop.run(step_fn, self._input.begin(inputs, epochs, steps), steps, observers)
         self.sync_buffers()
+        self.guard.require_identical("at the end of run()")
         self.last_run = summarize_run(self.job.agreement, times, outcome.steps, outcome.ended_early, show)
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -288,6 +290,7 @@ class Replicator:
         if self.optimizers.mid_accumulation():
             raise ReplicatorUsageError("repl.save() was called in the middle of an accumulation; save between updates")
         self.sync_buffers()
+        self.guard.require_identical(f"before saving a checkpoint at step {self.global_step}")
         return checkpoint.save(path, **self._checkpoint_objects(), step=self.global_step,
                                input_state=self._input.state_dict(), extra=extra, keep=keep)
 

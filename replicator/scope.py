@@ -7,10 +7,12 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.modules import module as module_hooks
+from torch.nn.parameter import is_lazy
 
+from replicator.comm.agreement import Agreement
 from replicator.errors import ReplicatorUsageError
+from replicator.identity import broadcast_from_first, require_same_layout
 from replicator.topology import Mesh, ProcessGroups
 
 __all__ = ["ModelScope"]
@@ -47,8 +49,9 @@ class _Block:
 class ModelScope:
     """The modules built in `repl.scope()` blocks, with their tensors' names for error messages."""
 
-    def __init__(self, groups: ProcessGroups, device: torch.device) -> None:
+    def __init__(self, groups: ProcessGroups, device: torch.device, agreement: Agreement) -> None:
         self.groups = groups
+        self.agreement = agreement  # among this stage's replicas, who build and copy the same model
         self.mesh: Mesh = groups.mesh
         self.device = device
         self.modules: list[torch.nn.Module] = []
@@ -101,13 +104,59 @@ class ModelScope:
                 tensors[id(tensor)] = tensor
         for tensor in extra_tensors:
             tensors.setdefault(id(tensor), tensor)
-        self.check_devices(tensors.values(), where="at the end of repl.scope()")
-        if self.mesh.num_replicas > 1:
-            _broadcast_from_first(list(tensors.values()), self.groups.replica, self.mesh.replica_ranks[0])
+        self._copy_from_first(list(tensors.values()), "at the end of repl.scope()")
 
-    def check_devices(self, tensors: Iterable[torch.Tensor], where: str) -> None:
+    def adopt(self, tensors: list[torch.Tensor], where: str) -> None:
+        """Give tensors that join after repl.scope() (an optimizer's new parameter group) replica 0's values.
+
+        Inside an open scope nothing is copied yet: the block's end copies them with the rest.
+        """
+        for module in self.modules:  # a new part of a built model (a swapped head) is named after it
+            for name, param in module.named_parameters(prefix=type(module).__name__):
+                self.tensor_names.setdefault(id(param), name)
+        if not self.is_open:
+            self._copy_from_first(tensors, where)
+
+    def _copy_from_first(self, tensors: list[torch.Tensor], where: str) -> None:
+        self.check_placement(tensors, where)
+        if self.mesh.num_replicas == 1:
+            return
+        names = self.names()
+        named = [(names.get(id(t), f"<tensor {i}>"), t) for i, t in enumerate(tensors)]
+        require_same_layout(self.agreement, named, where, _SAME_MODEL)
+        # Lazy tensors have no values to copy. Raised once the layouts agreed, so on every replica.
+        self._refuse_lazy(named, where, "before the block ends")
+        broadcast_from_first(tensors, self.groups.replica, self.mesh.replica_ranks[0])
+
+    def check_wrappable(self, optimizer: object) -> None:
+        """Raise unless `optimizer` is wrapped inside a scope and its parameters are ready to synchronize."""
+        if not self.is_open:
+            raise ReplicatorUsageError(
+                f"wrap_optimizer() was called outside repl.scope() (replica {self.mesh.replica_id}); create the model "
+                "and wrap its optimizer inside `with repl.scope():` so that every replica starts identical"
+            )
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self.tensor_names.update(self.names())
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            # Lazy parameters cannot be given a place in the gradient buckets replicas average.
+            self._refuse_lazy([(self.tensor_names.get(id(p), "a parameter"), p) for p in params],
+                              "in wrap_optimizer()", "before repl.wrap_optimizer()")
+            self.check_placement(params, "in wrap_optimizer()")
+
+    def _refuse_lazy(self, named: list[tuple[str, torch.Tensor]], where: str, when: str) -> None:
+        lazy = [name for name, tensor in named if is_lazy(tensor)]
+        if lazy and self.mesh.num_replicas > 1:
+            raise ReplicatorUsageError(
+                f"{', '.join(lazy)} {'has' if len(lazy) == 1 else 'have'} no shape yet (a lazy module such as "
+                f"nn.LazyLinear) {where}, so replicas cannot start from replica 0's values (raised on replica "
+                f"{self.mesh.replica_id}): run one forward inside repl.scope() (model(sample_batch)) {when}"
+            )
+
+    def check_placement(self, tensors: Iterable[torch.Tensor], where: str) -> None:
         """Raise, naming the tensor, if one is not on this replica's device."""
         for tensor in tensors:
+            if is_lazy(tensor):
+                continue  # on one replica it trains as in plain PyTorch: its first forward gives it a shape
             if tensor.device != self.device:
                 name = self.names().get(id(tensor))
                 raise ReplicatorUsageError(
@@ -116,28 +165,9 @@ class ModelScope:
                     f"or move it with model.to(repl.device) before wrapping its optimizer"
                 )
 
-    def named_state(self, parameters: Iterable[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        """`parameters` and the built modules' buffers, each with its name, for comparing replicas."""
-        named: dict[int, tuple[str, torch.Tensor]] = {}
-        for param in parameters:
-            named.setdefault(id(param), (self.tensor_names.get(id(param), f"parameter {tuple(param.shape)}"), param))
-        for module in self.modules:
-            for name, buffer in module.named_buffers():
-                named.setdefault(id(buffer), (f"{type(module).__name__}.{name}", buffer))
-        return list(named.values())
 
-
-def _broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, source: int) -> None:
-    """Overwrite every tensor with the source replica's, one message per dtype."""
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    for kind in sorted(by_kind, key=str):
-        members = by_kind[kind]
-        flat = torch.cat([t.detach().reshape(-1) for t in members])
-        dist.broadcast(flat, src=source, group=group)
-        offset = 0
-        with torch.no_grad():
-            for tensor in members:
-                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
+_SAME_MODEL = (
+    "Every replica must build the same model: look for a size, a layer or an option that depends on the replica "
+    "or on data only one replica reads (a config file, a vocabulary built from the local shard), and build the "
+    "model from values every replica has."
+)

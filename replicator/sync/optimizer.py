@@ -29,6 +29,7 @@ class WrappedOptimizer:
     optimizer: torch.optim.Optimizer
     synchronizer: GradientSynchronizer
     count: UpdateCount
+    known: int = 0  # parameters in its groups that the synchronizer knows of: a cheap check at each step
 
 
 class SyncedOptimizers:
@@ -37,11 +38,13 @@ class SyncedOptimizers:
     `wrap()` patches an optimizer instance's `step` and `zero_grad` (its class, state_dict and
     hooks stay torch's) so that updates use the replicas' averaged gradients, happen once per
     `accumulation` micro-steps, and are skipped on every replica when nonfinite="skip" finds the
-    averages NaN or infinite.
+    averages NaN or infinite. Its `add_param_group` gives the new parameters replica 0's values
+    through `adopt(tensors, where)` and has their gradients averaged too.
     """
 
     def __init__(self, *, context: ReplicaContext, group: dist.ProcessGroup | None, agreement: Agreement,
-                 reducer: Reducer, bucket_cap_bytes: int, nonfinite: str, debug: bool, is_main: bool) -> None:
+                 reducer: Reducer, bucket_cap_bytes: int, nonfinite: str, debug: bool, is_main: bool,
+                 adopt: Callable[[list[torch.Tensor], str], None] = lambda tensors, where: None) -> None:
         self.state = GradientState()
         self.context = context
         self.group = group
@@ -51,6 +54,7 @@ class SyncedOptimizers:
         self.nonfinite = nonfinite
         self.debug = debug
         self.is_main = is_main
+        self.adopt = adopt
         self.wrapped: list[WrappedOptimizer] = []
         self.owner: dict[int, WrappedOptimizer] = {}
         self.schedulers: list[Any] = []
@@ -74,7 +78,7 @@ class SyncedOptimizers:
         count = UpdateCount()
         synchronizer = GradientSynchronizer(params, self.group, self.agreement, self.reducer, self.bucket_cap_bytes,
                                             names, label, self.state, count, self.context.on_wait, self.debug)
-        wrapped = WrappedOptimizer(optimizer, synchronizer, count)
+        wrapped = WrappedOptimizer(optimizer, synchronizer, count, len(params))
         for param in params:
             self.owner[id(param)] = wrapped
         self.wrapped.append(wrapped)
@@ -99,8 +103,11 @@ class SyncedOptimizers:
         optimizer, synchronizer, count, state = wrapped.optimizer, wrapped.synchronizer, wrapped.count, self.state
         original_step = optimizer.step
         original_zero_grad = optimizer.zero_grad
+        original_add_param_group = optimizer.add_param_group
 
         def step(_: Any, closure: Callable[[], Any] | None = None) -> Any:
+            if sum(len(group["params"]) for group in optimizer.param_groups) != wrapped.known:
+                self._check_groups(wrapped)
             if state.no_sync_depth:
                 raise ReplicatorUsageError(
                     "optimizer.step() was called inside repl.no_sync(): gradients there are not synchronized, so "
@@ -131,8 +138,47 @@ class SyncedOptimizers:
             synchronizer.end_window(discard=True)
             original_zero_grad(set_to_none)
 
+        def add_param_group(_: Any, param_group: dict[str, Any]) -> None:
+            original_add_param_group(param_group)
+            self._take_on_new_parameters(wrapped)
+
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
         optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
+        optimizer.add_param_group = types.MethodType(add_param_group, optimizer)  # type: ignore[method-assign]
+
+    def _take_on_new_parameters(self, wrapped: WrappedOptimizer) -> None:
+        """After add_param_group: copy replica 0's values of the new parameters, then synchronize their gradients.
+
+        A classifier head swapped in for fine-tuning is built apart on each replica; without the
+        copy its replicas would start apart, and without the buckets they would train apart.
+        """
+        params = [p for group in wrapped.optimizer.param_groups for p in group["params"]]
+        new = [p for p in {id(p): p for p in params}.values() if id(p) not in self.owner]
+        for param in params:
+            if self.owner.get(id(param), wrapped) is not wrapped:
+                raise ReplicatorUsageError(
+                    f"parameter {wrapped.synchronizer.name_of(param)} belongs to two wrapped optimizers; "
+                    "give each parameter to one optimizer (or use parameter groups)"
+                )
+        self.adopt(new, f"in {wrapped.synchronizer.label}.add_param_group()")
+        wrapped.synchronizer.add_parameters(new)
+        for param in new:
+            self.owner[id(param)] = wrapped
+        wrapped.known = len(params)
+
+    def _check_groups(self, wrapped: WrappedOptimizer) -> None:
+        """Refuse parameters put into param_groups by hand after wrapping: nobody copied or averaged them."""
+        params = [p for group in wrapped.optimizer.param_groups for p in group["params"]]
+        unknown = [wrapped.synchronizer.name_of(p) for p in params if self.owner.get(id(p)) is not wrapped]
+        if not unknown:  # parameters were taken out: their buckets just stay empty
+            wrapped.known = len(params)
+            return
+        raise ReplicatorUsageError(
+            f"{', '.join(unknown)} joined {wrapped.synchronizer.label}'s param_groups after "
+            f"repl.wrap_optimizer() without add_param_group() (raised on replica {self.context.replica_id}), so no "
+            "replica copied replica 0's values or averages their gradients: the replicas would train apart. Add "
+            "them with optimizer.add_param_group({'params': [...]}), which does both"
+        )
 
     def _synchronized_closure(self, synchronizer: GradientSynchronizer,
                               closure: Callable[[], Any]) -> Callable[[], Any]:

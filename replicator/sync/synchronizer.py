@@ -89,6 +89,7 @@ class GradientSynchronizer:
         self.params = [p for p in unique if p.requires_grad]
         self.frozen = [p for p in unique if not p.requires_grad]
         self.buckets: list[Bucket] = []
+        self.bucket_cap_bytes = bucket_cap_bytes
         self._location: dict[int, tuple[Bucket, int]] = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         if self.size > 1:
@@ -112,6 +113,27 @@ class GradientSynchronizer:
         self._finalize_pass: int | None = None  # the backward pass that will end by finalizing
         # Set while a pipeline step runs: its replicas first agree that the step succeeded.
         self.defer_finalize = False
+
+    def add_parameters(self, params: list[torch.nn.Parameter]) -> None:
+        """Synchronize parameters that joined the optimizer after wrapping (between updates), in buckets of their own.
+
+        Appended after the others, so the buckets' order, hence the sequence of collectives,
+        stays the same on every replica that added the same parameters.
+        """
+        known = {id(p) for p in [*self.params, *self.frozen]}
+        new = [p for p in {id(p): p for p in params}.values() if id(p) not in known]
+        trainable = [p for p in new if p.requires_grad]
+        self.params += trainable
+        self.frozen += [p for p in new if not p.requires_grad]
+        if self.size == 1 or not trainable:
+            return
+        for bucket in assign_buckets(trainable, self.bucket_cap_bytes, self.bucket_cap_bytes,
+                                     getattr(self.reducer, "allocate", None)):
+            bucket.index = len(self.buckets)
+            self.buckets.append(bucket)
+            for position, param in enumerate(bucket.params):
+                self._location[id(param)] = (bucket, position)
+        self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in trainable]
 
     def name_of(self, param: torch.nn.Parameter) -> str:
         return self.names.get(id(param), f"<parameter of shape {tuple(param.shape)}>")

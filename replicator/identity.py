@@ -1,0 +1,152 @@
+"""Replicas hold the same tensors: layouts and values compared by digest, replica 0's copied, differences named.
+
+Every check costs one agreement of a few integers in the common case (the replicas agree).
+Only when digests differ do replicas gather the full lists (names, shapes and dtypes as
+text, or one CRC per tensor) to name what differs, never unpickling anything from a peer.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+from torch.nn.parameter import is_lazy
+
+from replicator.comm.agreement import Agreement
+from replicator.errors import ReplicaMismatchError
+
+__all__ = ["NamedTensors", "describe", "fingerprint", "require_same_layout", "copy_from_first",
+           "broadcast_from_first", "require_identical"]
+
+NamedTensors = Sequence[tuple[str, torch.Tensor]]
+
+_SHOWN = 5  # differing tensors an error names before it summarises
+
+
+def describe(name: str, tensor: torch.Tensor) -> str:
+    """'Linear.weight (3, 4) float32': what replicas must agree on before they exchange values."""
+    if is_lazy(tensor):  # a lazy module's parameter: no shape until its first forward
+        return f"{name} (uninitialized)"
+    return f"{name} {tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+
+
+def _layout(named: NamedTensors) -> list[str]:
+    return [describe(name, tensor) for name, tensor in named]
+
+
+def _digest(lines: list[str]) -> int:
+    return zlib.crc32("\n".join(lines).encode("utf-8"))
+
+
+def fingerprint(tensor: torch.Tensor) -> int:
+    """A CRC of the tensor's bytes: equal exactly when the values are bit-for-bit equal."""
+    data = tensor.detach().to("cpu").reshape(-1)  # 1-d: a 0-d tensor cannot be viewed as bytes
+    return zlib.crc32(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+
+
+def _gather_text(agreement: Agreement, text: str) -> list[str]:
+    """Every replica's `text`, in replica order: bytes in a padded tensor, decoded, never unpickled."""
+    raw = text.encode("utf-8")
+    mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(agreement.size)]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=agreement.group)
+    longest = max(int(size) for size in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: mine.numel()] = mine
+    everyone = [torch.empty_like(padded) for _ in range(agreement.size)]
+    dist.all_gather(everyone, padded, group=agreement.group)
+    return [bytes(row[: int(size)].numpy()).decode("utf-8", errors="replace") for row, size in zip(everyone, sizes)]
+
+
+def _first_difference(mine: list[str], reference: list[str]) -> str:
+    """'has X where replica 0 has Y': the first entry at which two layouts part."""
+    for index in range(max(len(mine), len(reference))):
+        ours = mine[index] if index < len(mine) else None
+        theirs = reference[index] if index < len(reference) else None
+        if ours != theirs:
+            if ours is None:
+                return f"lacks {theirs}, which replica 0 has ({len(mine)} tensors against replica 0's {len(reference)})"
+            if theirs is None:
+                return f"has {ours}, which replica 0 lacks ({len(mine)} tensors against replica 0's {len(reference)})"
+            return f"has {ours} where replica 0 has {theirs}"
+    return "differs from replica 0"  # the digests collided on text that differs elsewhere: not expected
+
+
+def _raise_layout_mismatch(agreement: Agreement, lines: list[str], where: str, advice: str) -> NoReturn:
+    layouts = [text.split("\n") if text else [] for text in _gather_text(agreement, "\n".join(lines))]
+    report = [f"replicas hold differently shaped parameters or state {where} (raised on replica {agreement.rank}):"]
+    report += [f"  replica {replica} {_first_difference(layout, layouts[0])}"
+               for replica, layout in enumerate(layouts) if layout != layouts[0]]
+    report.append(advice)
+    raise ReplicaMismatchError("\n".join(report))
+
+
+def require_same_layout(agreement: Agreement, named: NamedTensors, where: str, advice: str) -> None:
+    """Raise on every replica unless all replicas hold tensors of the same names, shapes and dtypes, in order."""
+    if agreement.size == 1:
+        return
+    lines = _layout(named)
+    verdict = agreement.require_same(f"compare the layout of tensors {where}", "", [_digest(lines)])
+    if not verdict.unanimous:
+        _raise_layout_mismatch(agreement, lines, where, advice)
+
+
+def copy_from_first(named: NamedTensors, group: dist.ProcessGroup | None, source: int, agreement: Agreement,
+                    where: str, advice: str) -> None:
+    """Overwrite every tensor with replica 0's (global rank `source`), once all replicas agree on their layout.
+
+    Without that check, a replica with a differently shaped model would hand the backend
+    buffers of another size (Gloo aborts the process), and one with the same sizes in another
+    order would silently take values meant for other tensors.
+    """
+    require_same_layout(agreement, named, where, advice)
+    broadcast_from_first([tensor for _, tensor in named], group, source)
+
+
+def broadcast_from_first(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, source: int) -> None:
+    """Overwrite every tensor with global rank `source`'s, one message per dtype and device (layouts agreed)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for kind in sorted(by_kind, key=str):
+        members = by_kind[kind]
+        flat = torch.cat([t.detach().reshape(-1) for t in members])
+        dist.broadcast(flat, src=source, group=group)
+        with torch.no_grad():
+            for tensor, part in zip(members, flat.split([t.numel() for t in members])):
+                tensor.copy_(part.view_as(tensor))
+
+
+def require_identical(agreement: Agreement, named: NamedTensors, where: str, advice: str) -> None:
+    """Raise on every replica unless all replicas hold bit-identical `named` tensors, naming the first that differ.
+
+    One agreement of two digests (the layout's and the values') in the common case; on a
+    mismatch, the layouts or the per-tensor fingerprints are gathered to say where.
+    """
+    if agreement.size == 1:
+        return
+    lines = _layout(named)
+    prints = [fingerprint(tensor) for _, tensor in named]
+    combined = zlib.crc32(b"".join(value.to_bytes(4, "little") for value in prints))
+    verdict = agreement.require_same(f"compare tensors {where}", "", [_digest(lines), combined])
+    if verdict.unanimous:
+        return
+    if verdict.maxima[0] != verdict.minima[0]:
+        _raise_layout_mismatch(agreement, lines, where, advice)
+    mine = torch.tensor(prints, dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(agreement.size)]
+    dist.all_gather(everyone, mine, group=agreement.group)
+    reference = everyone[0]
+    report = [f"replicas hold different values {where} (raised on replica {agreement.rank}):"]
+    for replica, theirs in enumerate(everyone):
+        names = [name for (name, _), a, b in zip(named, theirs.tolist(), reference.tolist()) if a != b]
+        if names:
+            shown = ", ".join(names[:_SHOWN]) + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+            report.append(f"  replica {replica} differs from replica 0 in {shown}")
+    report.append(advice)
+    raise ReplicaMismatchError("\n".join(report))
