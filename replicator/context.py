@@ -78,10 +78,11 @@ class ReplicaContext:
         if self.num_replicas == 1:
             return
         self._sequence += 1
-        # The device too: a host tensor may travel over the node's link where a GPU one takes NCCL.
+        # The device too: a host tensor may travel over the node's link where a GPU one takes NCCL. And
+        # the call site: a stray call in a branch must not pair with another replica's call elsewhere.
         signature = (f"ctx.{operation}#{self._sequence} shape={tuple(tensor.shape)} dtype={tensor.dtype} "
-                     f"device={tensor.device.type}{detail}")
-        self._agreement.require_same(signature, call_site())
+                     f"device={tensor.device.type}{detail} at {call_site()}")
+        self._agreement.require_same(signature)
 
     def _call(self, operation: str, tensor: torch.Tensor, *args: Any, detail: str = "") -> torch.Tensor:
         started = time.perf_counter()

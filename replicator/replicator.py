@@ -16,7 +16,7 @@ from replicator.context import InputContext, ReplicaContext
 from replicator.errors import ReplicatorUsageError
 from replicator.health import NONFINITE_POLICIES, require_identical
 from replicator.inputs import ReplicatedInput
-from replicator.job import Job
+from replicator.job import Job, announced
 from replicator.loop import Checkpointer, InputPosition, Observer, StepLoop, check_run_arguments
 from replicator.pipeline.recompute import resolve_recompute
 from replicator.scope import ModelScope
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["Replicator"]
 
 
+@announced("scope", "pipeline", "sync_buffers", "save", "restore", "barrier")  # one-sided calls fail at once
 class Replicator:
     """Runs single-device `input_fn`/`step_fn` code on every replica of the job.
 
@@ -336,8 +337,7 @@ class Replicator:
 
     # -- the job ---------------------------------------------------------------------------
     def barrier(self) -> None:
-        """Wait until every replica reaches this point."""
-        self.job.barrier()
+        """Wait until every process of the job reaches this point: the check that @announced makes is the barrier."""
 
     def close(self) -> None:
         """Release the process groups (called at exit when replicator created them)."""
