@@ -68,12 +68,19 @@ class StallWatch:
         try:
             store = dist.distributed_c10d._get_default_store()
             store.set(keys[members.index(self.rank)], json.dumps(mine))
-            deadline = time.monotonic() + 3 * self.grace_s
+            deadline = time.monotonic() + 4 * self.grace_s
             while time.monotonic() < deadline and not store.check(keys):
                 time.sleep(0.05)
             for at, key in enumerate(keys):
                 if found[at] is None and store.check([key]):
                     found[at] = json.loads(store.get(key).decode())
+            # Leave only once every member that answered has read the others: the store may live in
+            # one of them (rank 0), and goes when that process exits with its error.
+            answered = sum(note is not None for note in found)
+            done = f"{_INTENT_KEY}{channel}/{ticket}/read"
+            store.add(done, 1)
+            while time.monotonic() < deadline and store.add(done, 0) < answered:
+                time.sleep(0.05)
         except Exception:  # the store went with a process that failed first: report what is known
             pass
         return found
