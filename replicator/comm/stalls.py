@@ -104,10 +104,8 @@ class Waiting:
     def look(self) -> dict[str, Any] | None:
         """Publish this wait once; return a peer's note when it and this process wait for each other.
 
-        A note is trusted only when seen twice with the same serial: a peer whose wait just
-        ended may not have taken its note down yet (it cannot have ended, though, while it
-        still waits for a check this process has not made: the second look only guards the
-        counts this process read)."""
+        A peer's note is trusted once seen twice with the same serial, so that a note read
+        while that peer's wait was ending (and not yet taken down) cannot mislead."""
         store = dist.distributed_c10d._get_default_store()
         if not self._published:
             store.set(f"{_NOTE_KEY}{self.watch.rank}", json.dumps(self.note))
