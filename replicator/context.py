@@ -90,10 +90,11 @@ class ReplicaContext:
         self._sequence += 1
         shape = (f"(*{''.join(f', {size}' for size in tensor.shape[1:])})" if any_length and tensor.dim()
                  else str(tuple(tensor.shape)))
-        # The device too: a host tensor may travel over the node's link where a GPU one takes NCCL.
+        # The device too: a host tensor may travel over the node's link where a GPU one takes NCCL. And
+        # the call site: a stray call in a branch must not pair with another replica's call elsewhere.
         signature = (f"ctx.{operation}#{self._sequence} shape={shape} dtype={tensor.dtype} "
-                     f"device={tensor.device.type}{detail}")
-        return self._agreement.require_same(signature, call_site(), values)
+                     f"device={tensor.device.type}{detail} at {call_site()}")
+        return self._agreement.require_same(signature, "", values)
 
     def _call(self, operation: str, tensor: torch.Tensor, *args: Any, detail: str = "") -> torch.Tensor:
         started = time.perf_counter()

@@ -4,28 +4,40 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
+import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from replicator import _env
 from replicator.comm import collectives
-from replicator.comm.agreement import Agreement
+from replicator.comm.agreement import Agreement, call_site
 from replicator.comm.local_link import LocalLink
+from replicator.comm.stalls import StallWatch, grace_for
 from replicator.context import ReplicaContext, set_active_context
+from replicator.errors import ReplicaMismatchError
 from replicator.topology import Mesh, ProcessGroups, Topology, build_process_groups, discover
 
-__all__ = ["Job"]
+__all__ = ["Job", "announced"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_Class = TypeVar("_Class", bound=type)
 
 
 @dataclass(eq=False)
 class Job:
     """Everything one process of the job talks through, built once and closed once.
 
-    `agreement` checks the whole job (steps, run summaries); `replica_agreement` checks this
-    stage's replicas (gradients, ctx collectives). Each travels over a Unix-socket link when its
-    group lives on one node (decided together), and `data_link` carries small ctx collectives.
+    `agreement` checks the whole job (steps, run summaries, the facade's verbs);
+    `replica_agreement` checks this stage's replicas (gradients, ctx collectives): the same
+    object, one ordered channel, unless the job has pipeline stages. Each travels over a
+    Unix-socket link when its group lives on one node (decided together), and `data_link`
+    carries small ctx collectives.
     """
 
     topology: Topology
@@ -38,6 +50,8 @@ class Job:
     data_link: LocalLink | None = None
     owns_process_group: bool = False
     _closers: list[object] = field(default_factory=list)
+    _said_goodbye: bool = False
+    _in_verb: bool = False  # inside a facade verb that announced itself
 
     @classmethod
     def start(cls, *, stages: int = 1, timeout_s: float | None = None, debug: bool | None = None) -> Job:
@@ -51,9 +65,7 @@ class Job:
         owns_process_group = topology.distributed and not dist.is_initialized()
         groups = build_process_groups(topology, stages=stages, timeout_s=timeout_s)
         mesh = groups.mesh
-        agreement = Agreement(groups.control, debug, LocalLink.connect(groups.control, timeout_s))
-        replica_agreement = Agreement(groups.replica_control, debug,
-                                      LocalLink.connect(groups.replica_control, timeout_s))
+        agreement, replica_agreement = _agreements(topology, groups, timeout_s, debug)
         context = ReplicaContext(mesh.replica_id, mesh.num_replicas, groups.replica, replica_agreement)
         # A third link, for the data of small ctx collectives: kept apart from the checks, whose
         # order relative to collectives in a backward pass need not match across replicas. It is
@@ -66,6 +78,9 @@ class Job:
             assert groups.replica is not None and data_link.ranks == dist.get_process_group_ranks(groups.replica)
             collectives.attach_link(groups.replica, data_link)
         set_active_context(context)
+        if debug and topology.rank == 0:
+            print("replicator: debug mode is on (REPLICATOR_DEBUG or debug=True): every collective and gradient "
+                  "bucket is checked and leaves a trail, at some cost in speed", flush=True)
         job = cls(topology, groups, timeout_s, debug, agreement, replica_agreement, context, data_link,
                   owns_process_group)
         if owns_process_group:
@@ -84,20 +99,48 @@ class Job:
         """Have `close()` call `closer.close()` first (a reducer's background worker, say)."""
         self._closers.append(closer)
 
+    def _say_goodbye(self) -> None:
+        """A last check, so that a peer left waiting at one (a `repl.save()` under `if repl.is_main:` after
+        training) learns that this process is leaving, and says so, instead of waiting for its timeout.
+
+        Bounded: a process that ends after an error elsewhere must not wait for peers that are stuck."""
+        if self._said_goodbye or self.agreement.broken or self.agreement.size == 1 or not dist.is_initialized():
+            return
+        self._said_goodbye = True
+        try:
+            pending = self.agreement.start("the end of the job (exit or repl.close())")
+            if pending.arrived_within(grace_for(self.timeout_s)):
+                pending.wait()
+        except ReplicaMismatchError as error:
+            print(f"replicator: {error}", file=sys.stderr, flush=True)  # at exit, where nobody catches it
+        except RuntimeError:
+            pass  # a peer already failed: its own error says why
+
     def barrier(self) -> None:
         """Wait until every process of the job reaches this point."""
         if self.groups.control is not None:
             dist.barrier(group=self.groups.control)
 
+    def announce(self, verb: str, step: int) -> None:
+        """Check that every process of the job makes this call (`verb`, "repl.save()") at this point.
+
+        On the channel of the step loop's own checks: a replica that skipped the call (say, under
+        `if repl.is_main:`) goes on to a step or a collective, which meets this check and fails
+        there, on every replica, naming the verb, instead of leaving the caller waiting.
+        """
+        self.agreement.require_same(f"{verb} at step {step}", call_site())
+
     def close(self) -> None:
         """Stop background work, close the links and, if this job created them, the process groups."""
+        self._say_goodbye()
         for closer in self._closers:
             getattr(closer, "close", lambda: None)()
         self._closers.clear()
         if self.data_link is not None and self.groups.replica is not None:
             collectives.detach_link(self.groups.replica, self.data_link)
         # A peer still collecting this replica's last messages reads them before it sees the close.
-        for link in (self.agreement.link, self.replica_agreement.link, self.data_link):
+        links = {id(link): link for link in (self.agreement.link, self.replica_agreement.link, self.data_link)}
+        for link in links.values():
             if link is not None:
                 link.close()
         if self.owns_process_group and dist.is_initialized():
@@ -107,3 +150,57 @@ class Job:
                 self.barrier()
             dist.destroy_process_group()
             self.owns_process_group = False
+
+
+def _agreements(topology: Topology, groups: ProcessGroups, timeout_s: float,
+                debug: bool) -> tuple[Agreement, Agreement]:
+    """The job's channel of checks and its stage replicas' channel: one and the same without pipeline stages.
+
+    Checks pair in the order each channel carries them, so a call that only some replicas make
+    meets another check and fails at once. Two channels would let it meet nothing (a ctx
+    collective waiting on one, the next step's check on the other); with pipeline stages there
+    are two, and a long wait looks for that deadlock through the store (comm.stalls).
+    """
+    link = LocalLink.connect(groups.control, timeout_s)
+    if groups.replica_control is groups.control:
+        agreement = Agreement(groups.control, debug, link)
+        return agreement, agreement
+    mesh = groups.mesh
+    watch = StallWatch(topology.rank, f"replica {mesh.replica_id} of stage {mesh.stage_id}",
+                       mesh.replica_ranks, grace_for(timeout_s))
+    agreement = Agreement(groups.control, debug, link, watch=watch, label="rank")
+    replica_agreement = Agreement(groups.replica_control, debug, LocalLink.connect(groups.replica_control, timeout_s),
+                                  watch=watch, name=f"the replicas of stage {mesh.stage_id}")
+    return agreement, replica_agreement
+
+
+def announced(*verbs: str) -> Callable[[_Class], _Class]:
+    """A class decorator: these methods of the facade first announce themselves (Job.announce).
+
+    A verb called by another (save averages buffers) announces only the outer call; one that
+    run() calls (its checkpoints, its last buffer average) is announced as run()'s, since the
+    user did not write that call.
+    """
+
+    def wrap(cls: _Class) -> _Class:
+        for verb in verbs:
+            setattr(cls, verb, _announcing(getattr(cls, verb), verb))
+        return cls
+
+    return wrap
+
+
+def _announcing(method: Callable[..., Any], verb: str) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def announcing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        job: Job = self.job
+        if job.agreement.size > 1 and not job._in_verb:
+            inside = sys._getframe(1).f_code.co_filename.startswith(_PACKAGE_DIR)
+            job.announce(f"run()'s repl.{verb}()" if inside else f"repl.{verb}()", self.global_step)
+        outer, job._in_verb = job._in_verb, True
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            job._in_verb = outer
+
+    return announcing

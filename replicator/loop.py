@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from replicator._tree import flatten, leading_size, leaves_with_paths
-from replicator.comm.agreement import Agreement, PendingAgreement, Verdict
+from replicator.comm.agreement import Agreement, PendingAgreement, Verdict, call_site
 from replicator.context import ReplicaContext
 from replicator.epochs import EpochStream
 from replicator.errors import NonFiniteError, ReplicaMismatchError, ReplicatorUsageError
@@ -219,7 +219,9 @@ class StepLoop:
             return None
         if steps is not None and step >= steps and judged is None:
             return None
-        return self.agreement.start(f"step {step}", "", [int(has_batch), size, int(bool(nonfinite))])
+        # Named by the step this replica is at (announcements travel one step ahead), from the user's loop.
+        return self.agreement.start(f"run() at step {self.state.step}, announcing step {step}", call_site(),
+                                    [int(has_batch), size, int(bool(nonfinite))])
 
     def _must_stop(self, step: int, pending: PendingAgreement, has_batch: bool, ended_early: list[int],
                    judged: OutputCheck | None) -> bool:

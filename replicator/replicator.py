@@ -17,7 +17,7 @@ from replicator.epochs import InputPosition
 from replicator.errors import ReplicatorUsageError
 from replicator.health import check_nonfinite_policy
 from replicator.inputs import ReplicatedInput
-from replicator.job import Job
+from replicator.job import Job, announced
 from replicator.loop import Checkpointer, Observer, StepLoop, check_run_arguments
 from replicator.pipeline.randomness import seed_stage
 from replicator.pipeline.recompute import resolve_recompute
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["Replicator"]
 
 
+@announced("scope", "pipeline", "sync_buffers", "save", "restore", "barrier", "broadcast_state")  # one-sided calls fail
 class Replicator:
     """Runs single-device `input_fn`/`step_fn` code on every replica of the job.
 
@@ -341,8 +342,7 @@ class Replicator:
 
     # -- the job ---------------------------------------------------------------------------
     def barrier(self) -> None:
-        """Wait until every replica reaches this point."""
-        self.job.barrier()
+        """Wait until every process of the job reaches this point: the check that @announced makes is the barrier."""
 
     def close(self) -> None:
         """Release the process groups (called at exit when replicator created them)."""

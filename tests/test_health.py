@@ -171,5 +171,6 @@ def test_debug_mode_names_where_the_straggler_last_was() -> None:
     assert "rank(s) [1] never arrived" in first.message, first.message
     assert "rank 1's last collective (debug trail)" in first.message and "ctx.all_mean" in first.message, first.message
     assert "test_health.py" in first.message and "in step_fn" in first.message, first.message
+    assert "REPLICATOR_DEBUG=1 fingerprints" not in first.message  # it is set: say what it shows instead
     assert {e.rank for e in caught.value.errors} == {0, 1}  # the straggler fails too, once it comes back
     assert time.monotonic() - started < 50

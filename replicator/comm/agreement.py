@@ -6,6 +6,13 @@ the control group or, among the processes of one node, over a LocalLink. Every a
 has the same size, so mismatched replicas still complete the exchange, see that they
 differ, then swap full intents (operation and call site) and raise the same clear error
 together, instead of hanging or feeding wrong-sized buffers to Gloo.
+
+Checks on one channel are settled in the order they were made: a replica makes a new check
+only once its previous one has arrived from everyone and matched. So the first position
+where replicas differ is where every one of them finds out, whatever it does next. Where a
+process checks on two channels (a pipeline: the job's and its stage's replicas'), a wait
+that outlasts a short grace also looks for a peer waiting for it on the other channel
+(replicator.comm.stalls).
 """
 
 from __future__ import annotations
@@ -17,14 +24,17 @@ import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from types import FrameType
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from replicator.comm.local_link import LocalLink
-from replicator.errors import ReplicaMismatchError
+from replicator.comm.stalls import LOOK_EVERY_S, Channel, StallWatch, Waiting
+from replicator.errors import ReplicaMismatchError, ReplicatorError
 
 __all__ = ["Agreement", "PendingAgreement", "Verdict", "Intent", "call_site"]
 
@@ -35,12 +45,14 @@ _CHECK_VALUES = 4  # numbers one agreement check carries beside the signature's 
 _MESSAGE_BYTES = _SIGNATURE_BYTES + _SITE_BYTES + 8 * _VALUE_SLOTS
 _STRAGGLER_GRACE_S = 5.0
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # replicator/, not comm/
+# A check made from an autograd hook is the user's backward() call, not torch's engine.
+_SKIPPED_DIRS = (_PACKAGE_DIR, os.path.dirname(os.path.abspath(torch.__file__)))
 
 
 def call_site() -> str:
-    """'file.py:42 in step_fn' for the innermost frame outside replicator itself."""
+    """'file.py:42 in step_fn' for the innermost frame outside replicator and torch."""
     frame: FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED_DIRS):
         frame = frame.f_back
     if frame is None:
         return "<unknown>"
@@ -72,16 +84,26 @@ class Agreement:
     With a `link` (the group's processes share a node) checks travel over it instead of the
     group's backend, at a fifth to a tenth of the latency. With `trail` (debug mode) every check also
     leaves this process's latest intent and call site in the job's store, so that a timeout
-    can say where each straggler was.
+    can say where each straggler was. With a `watch` (a process that checks on two channels),
+    this channel is registered under `name` and long waits look for deadlocks across them.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, trail: bool = False, link: LocalLink | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, trail: bool = False, link: LocalLink | None = None,
+                 *, watch: StallWatch | None = None, name: str = "the whole job", label: str = "replica") -> None:
         self.group = group
         self.link = link
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         self.trail = trail and group is not None
-        self._checks = 0
+        self.name = name
+        self.label = label  # what a member is called in messages: "replica", or "rank" beside pipeline stages
+        self.posted = 0  # checks started on this channel, the n-th being check number n - 1
+        self.broken = False  # a check failed: the members' counts may no longer match
+        self._unsettled: PendingAgreement | None = None  # the latest check, if not yet matched
+        self.watch = watch
+        if watch is not None and group is not None:
+            watch.add(Channel(name, tuple(dist.get_process_group_ranks(group)), lambda: self.posted,
+                              self.settle_arrived))
 
     def exchange(self, signature: str, site: str = "", values: Sequence[float] = ()) -> list[Intent]:
         """Every replica's intent, in replica order. Raises nothing; see `require_same`."""
@@ -124,12 +146,42 @@ class Agreement:
         see the same rows, so all of them take that path together). An all-gather rather than
         an all-reduce of maxima and minima: a ring gathers in N - 1 steps where it reduces in
         2(N - 1), and these messages are all latency.
+
+        The previous check is settled first (it has usually arrived by then): a replica that
+        diverged is caught at the first check where it differs, on every replica alike.
         """
+        self.settle()
         if self.trail:
-            self._checks += 1
             where = f" at {site}" if site else ""
-            _store().set(f"{_TRAIL_KEY}{dist.get_rank()}", f"check #{self._checks} of its group: {signature}{where}")
-        return PendingAgreement(self, signature, site, [int(v) for v in values])
+            trail = f"check #{self.posted + 1} on the channel of {self.name}: {signature}{where}"
+            _store().set(f"{_TRAIL_KEY}{dist.get_rank()}", trail)
+        pending = PendingAgreement(self, signature, site, [int(v) for v in values])
+        if self.group is not None:
+            self._unsettled = pending
+        return pending
+
+    def settle(self) -> None:
+        """Wait for the latest check made on this channel, raising there if the replicas differ."""
+        if self._unsettled is not None:
+            self._unsettled.wait()
+
+    def settle_arrived(self) -> None:
+        """Judge the latest check if every member has made it by now; never waits for one."""
+        if self._unsettled is not None and self._unsettled.arrived_within(0.01):
+            self._unsettled.wait()
+
+    def mismatch_intents(self, pending: PendingAgreement) -> list[Intent]:
+        """Every member's intent at `pending`, a check whose hashes differ: through the store when a
+        member may be waiting on another channel (stalls.StallWatch.intents), else one all-gather."""
+        values = [float(v) for v in pending.values]
+        if self.watch is None:
+            return self.exchange(pending.signature, pending.site, values)
+        mine = {"signature": pending.signature, "site": pending.site, "values": values}
+        silent: dict[str, Any] = {"signature": "(no answer: it waits elsewhere, see its own error)", "site": "",
+                                  "values": []}
+        found = self.watch.intents(self.name, pending.number, mine)
+        return [Intent(replica, (note or silent)["signature"], (note or silent)["site"],
+                       tuple((note or silent)["values"])) for replica, note in enumerate(found)]
 
 
 @dataclass(frozen=True)
@@ -156,31 +208,101 @@ class PendingAgreement:
         # gather and see the hashes differ, instead of handing the backend mismatched sizes.
         padding = [0] * (_CHECK_VALUES - len(values))
         mine = torch.tensor([zlib.crc32(signature.encode("utf-8")), *values, *padding], dtype=torch.int64)
+        self.number = agreement.posted
         self._rows = [mine]
-        self._work = None
+        self._work: Any = None
         self._ticket: int | None = None
         self._receiving = threading.Lock()  # the reducer's thread and the caller's may both wait
         if agreement.link is not None:
             self._ticket = agreement.link.post(mine.numpy().tobytes())
+            agreement.posted += 1
         elif agreement.group is not None:
             self._rows = [torch.empty_like(mine) for _ in range(agreement.size)]
             self._work = dist.all_gather(self._rows, mine, group=agreement.group, async_op=True)
+            agreement.posted += 1
         self._verdict: Verdict | None = None
 
     def _receive(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            return
         with self._receiving:
+            if self._work is not None:
+                self._wait_for_backend()
+                self._work = None
             if self._ticket is None:
                 return
             link = self.agreement.link
             assert link is not None
-            payloads = link.collect(self._ticket)
-            mine = self._rows[0]
-            self._rows = [mine if at == link.position else torch.frombuffer(bytearray(payload), dtype=torch.int64)
-                          for at, payload in enumerate(payloads)]
-            self._ticket = None
+            self._store_rows(link.position, self._collect(link, self._ticket))
+
+    def arrived_within(self, seconds: float) -> bool:
+        """True once every replica has made this check (then `wait()` judges it), False if `seconds` pass first."""
+        with self._receiving:
+            if self._work is not None:
+                try:
+                    self._work.wait(timedelta(seconds=seconds))
+                except RuntimeError:
+                    if not self._work.is_completed():
+                        return False
+                    raise
+            if self._ticket is not None:
+                assert self.agreement.link is not None
+                payloads = self.agreement.link.collect_within(self._ticket, seconds)
+                if payloads is None:
+                    return False
+                self._store_rows(self.agreement.link.position, payloads)
+            return True
+
+    def _store_rows(self, position: int, payloads: list[bytes]) -> None:
+        mine = self._rows[0]
+        self._rows = [mine if at == position else torch.frombuffer(bytearray(payload), dtype=torch.int64)
+                      for at, payload in enumerate(payloads)]
+        self._ticket = None
+
+    def _collect(self, link: LocalLink, ticket: int) -> list[bytes]:
+        watch = self.agreement.watch
+        if watch is None:
+            return link.collect(ticket)
+        deadline = time.monotonic() + link.timeout_s
+        waiting: Waiting | None = None
+        within = watch.grace_s
+        while deadline - time.monotonic() > within:
+            payloads = link.collect_within(ticket, within)
+            if payloads is not None:
+                if waiting is not None:
+                    waiting.done()
+                return payloads
+            waiting = waiting or watch.waiting(self.agreement.name, self.number, self.signature, self.site)
+            self._look(waiting)
+            within = LOOK_EVERY_S
+        return link.collect(ticket, max(deadline - time.monotonic(), 1e-3))
+
+    def _wait_for_backend(self) -> None:
+        watch = self.agreement.watch
+        if watch is None:
+            self._work.wait()
+            return
+        waiting: Waiting | None = None
+        within = watch.grace_s
+        while True:
+            try:
+                self._work.wait(timedelta(seconds=within))
+            except RuntimeError:
+                if self._work.is_completed():  # the collective itself failed
+                    raise
+                waiting = waiting or watch.waiting(self.agreement.name, self.number, self.signature, self.site)
+                self._look(waiting)
+                within = LOOK_EVERY_S
+                continue
+            if waiting is not None:
+                waiting.done()
+            return
+
+    def _look(self, waiting: Waiting) -> None:
+        assert self.agreement.watch is not None
+        self.agreement.watch.settle_others(self.agreement.name)
+        theirs = waiting.look()
+        if theirs is not None:
+            self.agreement.broken = True
+            raise ReplicaMismatchError(describe_deadlock(waiting.note, theirs))
 
     def arrived(self) -> bool:
         """Block until every replica has made this check; True if all made the same one.
@@ -194,15 +316,22 @@ class PendingAgreement:
     def wait(self) -> Verdict:
         if self._verdict is not None:
             return self._verdict
+        agreement = self.agreement
+        if agreement._unsettled is self:
+            agreement._unsettled = None
         try:
             self._receive()
+        except ReplicaMismatchError:
+            raise
         except RuntimeError as error:
-            raise_with_stragglers(self.agreement.group, self.signature, error)
+            agreement.broken = True
+            raise_with_stragglers(agreement.group, self.signature, error, debug=agreement.trail)
         rows = torch.stack(self._rows)
         maxima, minima = rows.amax(dim=0).tolist(), rows.amin(dim=0).tolist()
         if maxima[0] != minima[0]:
-            intents = self.agreement.exchange(self.signature, self.site, [float(v) for v in self.values])
-            raise ReplicaMismatchError(describe_mismatch(intents, self.agreement.rank))
+            agreement.broken = True
+            intents = agreement.mismatch_intents(self)
+            raise ReplicaMismatchError(describe_mismatch(intents, agreement.rank, agreement.label))
         count = len(self.values) + 1
         sums = rows[:, 1:count].sum(dim=0).tolist()
         self._verdict = Verdict(tuple(maxima[1:count]), tuple(minima[1:count]), tuple(sums))
@@ -216,19 +345,22 @@ def _store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
-def raise_with_stragglers(group: dist.ProcessGroup | None, where: str, error: BaseException) -> None:
+def raise_with_stragglers(group: dist.ProcessGroup | None, where: str, error: BaseException, *,
+                          debug: bool = False) -> None:
     """Re-raise a failed or timed-out collective naming the replicas that never arrived.
 
     Costs nothing until something fails: only then does each replica leave a note in the
     job's key-value store saying where it was stuck, wait briefly for the others' notes, and
-    report the replicas without one (still computing, stuck elsewhere, or dead).
+    report the replicas without one (still computing, stuck elsewhere, or dead). In debug
+    mode, the stragglers' trails are read first, before a straggler that wakes up meanwhile
+    can move them on.
     """
-    from replicator.errors import ReplicatorError
-
+    me = dist.get_rank()
     try:
         store = _store()
         ranks = dist.get_process_group_ranks(group) if group is not None else [0]
-        me = dist.get_rank()
+        trails = {r: store.get(f"{_TRAIL_KEY}{r}").decode()
+                  for r in ranks if r != me and store.check([f"{_TRAIL_KEY}{r}"])}
         store.set(f"replicator/stuck/{me}", where)
         deadline = time.monotonic() + _STRAGGLER_GRACE_S
         while time.monotonic() < deadline and not store.check([f"replicator/stuck/{r}" for r in ranks]):
@@ -236,35 +368,64 @@ def raise_with_stragglers(group: dist.ProcessGroup | None, where: str, error: Ba
         notes = {r: store.get(f"replicator/stuck/{r}").decode()
                  for r in ranks if store.check([f"replicator/stuck/{r}"])}
         missing = [r for r in ranks if r not in notes]
-        trails = {r: store.get(f"{_TRAIL_KEY}{r}").decode() for r in missing if store.check([f"{_TRAIL_KEY}{r}"])}
-    except Exception:  # the store itself may be gone with a dead master: keep the original error
-        raise error from None
+    except Exception:  # the store itself may be gone with a dead master
+        raise ReplicatorError(
+            f"a collective failed or timed out while rank {me} waited at '{where}': {error}\n"
+            "The job's key-value store is unreachable too: the process that holds it (rank 0, or the launcher) "
+            "has probably failed first; its own error says why."
+        ) from error
     elsewhere = {r: note for r, note in notes.items() if note != where}
     lines = [f"a collective failed or timed out while rank {me} waited at '{where}': {error}".strip()]
     if missing:
         lines.append(f"  rank(s) {missing} never arrived (still computing, blocked outside a collective, or dead)")
-        for rank, trail in sorted(trails.items()):
-            lines.append(f"  rank {rank}'s last collective (debug trail): {trail}")
+        for rank in missing:
+            if rank in trails:
+                lines.append(f"  rank {rank}'s last collective (debug trail): {trails[rank]}")
     for rank, note in sorted(elsewhere.items()):
         lines.append(f"  rank {rank} was stuck at '{note}' instead")
-    lines.append("Raise REPLICATOR_TIMEOUT if a step legitimately takes longer; REPLICATOR_DEBUG=1 fingerprints every "
-                 "collective and shows where each straggler last was.")
+    if debug:
+        lines.append("Raise REPLICATOR_TIMEOUT if a step legitimately takes longer (debug mode is on: the trails above "
+                     "are each straggler's last check).")
+    else:
+        lines.append("Raise REPLICATOR_TIMEOUT if a step legitimately takes longer; REPLICATOR_DEBUG=1 fingerprints "
+                     "every collective and shows where each straggler last was.")
     raise ReplicatorError("\n".join(lines)) from error
 
 
-def describe_mismatch(intents: list[Intent], me: int) -> str:
-    """A message that groups replicas by what they were doing, most common first."""
+_ADVICE = ("Every replica must issue the same collectives in the same order, from the same lines: look for a "
+           "collective inside a branch on replica_id or on data that differs between replicas.")
+
+
+def _headline(signatures: Sequence[str], me: str) -> str:
+    """The first line of a mismatch: a facade verb that some replicas skipped is named as such."""
+    verbs = sorted({signature.split("(")[0] for signature in signatures if signature.startswith("repl.")})
+    if verbs:
+        return (f"{verbs[0]}() must be called on every replica, at the same point (raised on {me}); only printing "
+                "and logging are safe on one process (`if repl.is_main:`).")
+    return f"replicas diverged (raised on {me}): they reached different collectives at the same point."
+
+
+def describe_mismatch(intents: list[Intent], me: int, label: str = "replica") -> str:
+    """A message that groups replicas (or ranks) by what they were doing, most common first."""
     groups: dict[str, list[Intent]] = {}
     for intent in intents:
         groups.setdefault(intent.signature, []).append(intent)
-    lines = [f"replicas diverged (raised on replica {me}): they reached different collectives at the same point."]
+    lines = [_headline(list(groups), f"{label} {me}")]
     for signature, members in sorted(groups.items(), key=lambda item: -len(item[1])):
         replicas = ", ".join(str(m.replica) for m in members)
         sites = sorted({m.site for m in members if m.site})
         where = f" at {'; '.join(sites)}" if sites else ""
-        lines.append(f"  replica(s) {replicas}: {signature}{where}")
-    lines.append(
-        "Every replica must issue the same collectives in the same order: look for a collective "
-        "inside a branch on replica_id or on data that differs between replicas."
-    )
+        lines.append(f"  {label}(s) {replicas}: {signature}{where}")
+    lines.append(_ADVICE)
+    return "\n".join(lines)
+
+
+def describe_deadlock(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
+    """Two processes that wait for each other at checks on different channels (notes from stalls.Waiting)."""
+    lines = [_headline([mine["check"], theirs["check"]], mine["who"])]
+    for note in (mine, theirs):
+        where = f" at {note['site']}" if note["site"] else ""
+        lines.append(f"  {note['who']} (rank {note['rank']}) waits at {note['check']}{where}, on the channel of "
+                     f"{note['channel']}")
+    lines.append("Each waits for the other, so neither can go on. " + _ADVICE)
     return "\n".join(lines)

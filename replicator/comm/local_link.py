@@ -145,9 +145,26 @@ class LocalLink:
                     pass  # it left: reading its socket gives what it sent before, then its end
         return ticket
 
-    def collect(self, ticket: int) -> list[bytes]:
-        """Every member's payload for `ticket`, in group order (this member's own is b'')."""
-        deadline = time.monotonic() + self.timeout_s
+    def collect(self, ticket: int, within_s: float | None = None) -> list[bytes]:
+        """Every member's payload for `ticket`, in group order (this member's own is b''); fails
+        the link after `within_s` (default: the link's timeout) without them."""
+        payloads = self._collect(ticket, self.timeout_s if within_s is None else within_s, final=True)
+        assert payloads is not None
+        return payloads
+
+    def collect_within(self, ticket: int, within_s: float) -> list[bytes] | None:
+        """`collect`, or None once `within_s` has passed without every message: the link stays
+        usable (the caller looks around, then collects again). Departures and failures raise."""
+        return self._collect(ticket, min(within_s, self.timeout_s), final=False)
+
+    def missing(self, ticket: int) -> list[int]:
+        """The ranks whose message for `ticket` has not arrived yet."""
+        with self._state:
+            arrived = self._inbox.get(ticket, {})
+            return [self.ranks[at] for at in self._peers if at not in arrived]
+
+    def _collect(self, ticket: int, within_s: float, final: bool) -> list[bytes] | None:
+        deadline = time.monotonic() + within_s
         with self._state:
             while True:
                 arrived = self._inbox.get(ticket, {})
@@ -161,6 +178,8 @@ class LocalLink:
                     if at not in arrived and self._received_from[at] <= ticket:
                         raise departure
                 remaining = deadline - time.monotonic()
+                if remaining <= 0 and not final:
+                    return None
                 if remaining <= 0:
                     missing = [self.ranks[at] for at in self._peers if at not in arrived]
                     # The members' message counts no longer match: every later exchange must fail too.

@@ -234,7 +234,7 @@ class GradientSynchronizer:
                     bucket.pending.wait()
                 except RuntimeError as error:
                     where = f"gradient bucket {bucket.index} of {self.label}"
-                    raise_with_stragglers(self.agreement.group, where, error)
+                    raise_with_stragglers(self.agreement.group, where, error, debug=self.debug)
                 bucket.pending = None
         self.on_wait(time.perf_counter() - started)
 
