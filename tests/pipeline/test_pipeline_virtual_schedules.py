@@ -1,4 +1,4 @@
-"""Interleaved 1F1B and zero bubble as data: every (K, M, V) in range completes, in dependency order, with its bubble."""
+"""Interleaved 1F1B and zero bubble as data: every (K, M, V) in range completes in order, with its bubble."""
 
 from __future__ import annotations
 
