@@ -109,6 +109,7 @@ def build_pipeline(
     if not 0 <= stage_id < num_stages:
         raise ValueError(f"stage_id must be in 0..{num_stages - 1}, got {stage_id}")
     if _needs_virtual_stage(schedule, virtual_stages):
+        _check_pieces(len(layers_of(modules)), num_stages, virtual_stages, balance)
         pieces = agreed_balance(modules, num_stages * virtual_stages, balance, sample=sample, device=device,
                                 group=balance_group if balance_group is not None else stage_group)
         mine: list[nn.Module] = list(split(modules, pieces)[stage_id::num_stages])
@@ -134,6 +135,18 @@ def build_pipeline(
         schedule=schedule, recompute=resolve_recompute(recompute, checkpoint), device=device, replica=replica,
         record=record, hooks=with_no_sync(hooks, no_sync),
     )
+
+
+def _check_pieces(num_layers: int, num_stages: int, virtual_stages: int, balance: Balance) -> None:
+    """Errors in the words of virtual stages, before partition's (which speak of stages) could mislead."""
+    pieces = num_stages * virtual_stages
+    if num_layers < pieces:
+        raise ValueError(f"{num_stages} stages x {virtual_stages} virtual stages cut the model into {pieces} pieces, "
+                         f"but it has {num_layers} layer(s); use fewer virtual stages or split the model into more "
+                         "layers")
+    if not isinstance(balance, str) and len(balance) != pieces:
+        raise ValueError(f"with {num_stages} stages x {virtual_stages} virtual stages, balance needs {pieces} layer "
+                         f"counts, one per piece (piece p runs on stage p % {num_stages}); got {list(balance)}")
 
 
 def _needs_virtual_stage(schedule: str | Schedule, virtual_stages: int) -> bool:

@@ -122,3 +122,16 @@ def test_timed_simulation_splits_a_stage_into_its_chunks() -> None:
     split = timed_simulation(zero_bubble(2, 2), 1.0, 2.0, input_time=0.5, weight_time=1.5)
     weights = [p for p in split if p.action.op is Op.BACKWARD_WEIGHT]
     assert weights and all(p.end - p.start == pytest.approx(1.5) for p in weights)
+
+
+def test_virtual_stages_need_enough_layers_and_a_count_per_piece() -> None:
+    from torch import nn
+
+    from replicator.pipeline import build_pipeline
+
+    layers = [nn.Linear(2, 2) for _ in range(3)]
+    with pytest.raises(ValueError, match="cut the model into 4 pieces, but it has 3 layer"):
+        build_pipeline(layers, stage_id=0, num_stages=2, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(ValueError, match="balance needs 4 layer counts"):
+        build_pipeline([*layers, nn.Linear(2, 2)], stage_id=0, num_stages=2, balance=[2, 2], schedule="interleaved",
+                       virtual_stages=2)
