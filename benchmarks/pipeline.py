@@ -4,6 +4,7 @@ Command (from the repository root; a few minutes on 2 cores; figures go to
 benchmarks/results/pipeline.json):
 
     .venv/bin/python benchmarks/pipeline.py --repeats 5 --steps 10
+    .venv/bin/python benchmarks/pipeline.py --schedules   # each schedule vs torch's (pipeline_schedules.py)
 
 One job of 2 processes (Gloo on 127.0.0.1, 1 intra-op thread each) trains a deep MLP split
 into 2 stages with M = 8 micro-batches per mini-batch. Inside that job the contenders take
@@ -510,6 +511,11 @@ def report(config: Config, results: list[dict[str, Any]], memory: dict[str, list
 
 
 def main(argv: list[str] | None = None) -> int:
+    arguments = sys.argv[1:] if argv is None else argv
+    if "--schedules" in arguments:  # every schedule against torch's same-named one: its own benchmark
+        import pipeline_schedules
+
+        return pipeline_schedules.main([a for a in arguments if a != "--schedules"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=Config.repeats, help="interleaved repetitions per contender")
     parser.add_argument("--steps", type=int, default=Config.steps, help="timed steps per repetition")

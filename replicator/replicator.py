@@ -31,7 +31,7 @@ from replicator.telemetry import Progress, StepTimes, summarize_run
 
 if TYPE_CHECKING:
     from replicator.checkpoint import Restored
-    from replicator.pipeline import PipelineStage
+    from replicator.pipeline import PipelineStage, VirtualPipelineStage
 
 __all__ = ["Replicator"]
 
@@ -63,8 +63,9 @@ class Replicator:
         stages, chunks, schedule, recompute: pipeline model parallelism (GPipe). The job's
             processes form replicas × stages; `repl.pipeline(layers)` returns this process's
             stage, which splits each batch into `chunks` micro-batches and runs `schedule`
-            ("gpipe" or "1f1b"), re-materializing activations per `recompute` ("always",
-            "except_last" or "never"). `checkpoint=` is its old, deprecated name.
+            ("gpipe", "1f1b", "interleaved" or "zero_bubble"), re-materializing activations per
+            `recompute` ("always", "except_last" or "never"). `checkpoint=` is its old, deprecated
+            name. `virtual_stages=V` gives each stage V model chunks (interleaved: V >= 2).
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class Replicator:
         chunks: int = 1,
         schedule: str = "gpipe",
         recompute: str = "except_last",
+        virtual_stages: int = 1,
         reducer: str | Reducer = "auto",
         bucket_cap_mb: float = 25.0,
         timeout_s: float | None = None,
@@ -94,6 +96,7 @@ class Replicator:
         self.agreement, self.debug = job.agreement, job.debug
         self.is_main = job.topology.rank == 0  # the one process that should log, print and save
         self.num_stages, self.chunks, self.schedule, self.recompute = stages, chunks, schedule, recompute
+        self.virtual_stages = virtual_stages
         self.reducer = make_reducer(reducer, self.groups, timeout_s=job.timeout_s, device=self.device)
         job.close_with(self.reducer)
         models = self.models = ModelScope(self.groups, self.device, job.replica_agreement)
@@ -106,7 +109,7 @@ class Replicator:
         self.optimizers.state.configure(uneven_batches, sparse_as_dense, models.modules)
         self.guard = ReplicaGuard(job.replica_agreement, self.optimizers, self._trained_modules, models.tensor_names)
         self.last_run: dict[str, Any] = {}
-        self._stages: list[PipelineStage] = []
+        self._stages: list[PipelineStage | VirtualPipelineStage] = []
         self._input = InputPosition(self.replica_id, self.num_replicas, self.device, self.is_main, stages)
         self._restored = False
 
@@ -173,7 +176,7 @@ class Replicator:
         return self.optimizers.wrap_scheduler(scheduler)
 
     def pipeline(self, layers: Any, balance: Any = "params", *, sample: Any = None,
-                 deferred_batchnorm: bool = False) -> PipelineStage:
+                 deferred_batchnorm: bool = False) -> PipelineStage | VirtualPipelineStage:
         """This process's stage of `layers` (a list of modules or an nn.Sequential).
 
         Every process builds the whole model the same way; the stage keeps its share. Call
@@ -189,7 +192,7 @@ class Replicator:
             stage_ranks=self.groups.stage_ranks, stage_group=self.groups.stage, chunks=self.chunks,
             schedule=self.schedule, recompute=self.recompute, device=self.device, sample=sample,
             deferred_batchnorm=deferred_batchnorm, balance_group=self.groups.control,
-            replica=self.replica_id, hooks=hooks,
+            replica=self.replica_id, hooks=hooks, virtual_stages=self.virtual_stages,
         )
         self._stages.append(stage)
         if not self.models.is_open:

@@ -16,14 +16,25 @@ from replicator.pipeline.hooks import StageHooks, job_hooks
 from replicator.pipeline.microbatch import gather, scatter
 from replicator.pipeline.partition import partition
 from replicator.pipeline.recompute import RECOMPUTE_MODES, is_recomputing
-from replicator.pipeline.schedule import SCHEDULES, Action, Op, Schedule, check_schedule, make_schedule, simulate
+from replicator.pipeline.schedule import (
+    SCHEDULES,
+    VIRTUAL_SCHEDULES,
+    Action,
+    Op,
+    Schedule,
+    check_schedule,
+    make_schedule,
+    simulate,
+)
 from replicator.pipeline.stage import PipelineError, PipelineStage
 from replicator.pipeline.timeline import Event, Timeline, plot_gantt, write_chrome_trace
+from replicator.pipeline.virtual_stage import VirtualPipelineStage
 
 __all__ = [
     "build_pipeline",
     "agreed_balance",
     "PipelineStage",
+    "VirtualPipelineStage",
     "PipelineError",
     "StageHooks",
     "job_hooks",
@@ -34,6 +45,7 @@ __all__ = [
     "Action",
     "Op",
     "SCHEDULES",
+    "VIRTUAL_SCHEDULES",
     "make_schedule",
     "check_schedule",
     "simulate",

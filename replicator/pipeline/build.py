@@ -14,8 +14,9 @@ from replicator.pipeline.batchnorm import convert_deferred_batchnorm
 from replicator.pipeline.hooks import StageHooks, with_no_sync
 from replicator.pipeline.partition import Balance, check_stage_count, layers_of, resolve_balance, split
 from replicator.pipeline.recompute import resolve_recompute
-from replicator.pipeline.schedule import Schedule
+from replicator.pipeline.schedule import SCHEDULES, Op, Schedule, schedule_key
 from replicator.pipeline.stage import PipelineStage
+from replicator.pipeline.virtual_stage import VirtualPipelineStage
 
 __all__ = ["build_pipeline", "agreed_balance"]
 
@@ -85,7 +86,8 @@ def build_pipeline(
     hooks: StageHooks | None = None,
     no_sync: Callable[[], AbstractContextManager[Any]] | None = None,
     record: bool = True,
-) -> PipelineStage:
+    virtual_stages: int = 1,
+) -> PipelineStage | VirtualPipelineStage:
     """Split `modules` into `num_stages` stages and return stage `stage_id` as a PipelineStage.
 
     Every process builds the whole model the same way (same seed) and calls this; each
@@ -99,10 +101,28 @@ def build_pipeline(
         hooks: what the job does around a training step (StageHooks); `no_sync=` is
             folded into them, as PipelineStage does.
         checkpoint: the deprecated name of `recompute` (a DeprecationWarning).
+        virtual_stages: V, model chunks per stage: the model is cut into K x V pieces (balance
+            then counts K x V of them) and this stage keeps pieces stage_id, stage_id + K, ...
+            Interleaved and zero-bubble schedules return a VirtualPipelineStage (same interface).
     """
     layers_of(modules)  # a clear error for a model that is not a sequence of layers, before any collective
     if not 0 <= stage_id < num_stages:
         raise ValueError(f"stage_id must be in 0..{num_stages - 1}, got {stage_id}")
+    if _needs_virtual_stage(schedule, virtual_stages):
+        _check_pieces(len(layers_of(modules)), num_stages, virtual_stages, balance)
+        pieces = agreed_balance(modules, num_stages * virtual_stages, balance, sample=sample, device=device,
+                                group=balance_group if balance_group is not None else stage_group)
+        mine: list[nn.Module] = list(split(modules, pieces)[stage_id::num_stages])
+        if deferred_batchnorm:
+            mine = [convert_deferred_batchnorm(piece) for piece in mine]
+        for piece in mine:
+            if device is not None:
+                piece.to(device)
+        return VirtualPipelineStage(
+            mine, stage_id=stage_id, num_stages=num_stages, stage_ranks=stage_ranks, group=stage_group,
+            chunks=chunks, schedule=schedule, recompute=resolve_recompute(recompute, checkpoint), device=device,
+            replica=replica, record=record, hooks=with_no_sync(hooks, no_sync),
+        )
     counts = agreed_balance(modules, num_stages, balance, sample=sample, device=device,
                             group=balance_group if balance_group is not None else stage_group)
     module: nn.Module = split(modules, counts)[stage_id]
@@ -115,3 +135,23 @@ def build_pipeline(
         schedule=schedule, recompute=resolve_recompute(recompute, checkpoint), device=device, replica=replica,
         record=record, hooks=with_no_sync(hooks, no_sync),
     )
+
+
+def _check_pieces(num_layers: int, num_stages: int, virtual_stages: int, balance: Balance) -> None:
+    """Errors in the words of virtual stages, before partition's (which speak of stages) could mislead."""
+    pieces = num_stages * virtual_stages
+    if num_layers < pieces:
+        raise ValueError(f"{num_stages} stages x {virtual_stages} virtual stages cut the model into {pieces} pieces, "
+                         f"but it has {num_layers} layer(s); use fewer virtual stages or split the model into more "
+                         "layers")
+    if not isinstance(balance, str) and len(balance) != pieces:
+        raise ValueError(f"with {num_stages} stages x {virtual_stages} virtual stages, balance needs {pieces} layer "
+                         f"counts, one per piece (piece p runs on stage p % {num_stages}); got {list(balance)}")
+
+
+def _needs_virtual_stage(schedule: str | Schedule, virtual_stages: int) -> bool:
+    """Whether `schedule` runs on VirtualPipelineStage: chunks per stage, or a split backward."""
+    if isinstance(schedule, Schedule):
+        split = {Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT}
+        return schedule.virtual_stages > 1 or any(a.op in split for actions in schedule.stages for a in actions)
+    return virtual_stages > 1 or schedule_key(schedule) not in SCHEDULES

@@ -23,6 +23,8 @@ __all__ = ["Event", "Timeline", "events_from_simulation", "chrome_trace", "write
 _LABEL = {
     Op.FORWARD.value: "F",
     Op.BACKWARD.value: "B",
+    Op.BACKWARD_INPUT.value: "I",
+    Op.BACKWARD_WEIGHT.value: "W",
     Op.SEND_ACTIVATION.value: "send act",
     Op.RECV_ACTIVATION.value: "recv act",
     Op.SEND_GRADIENT.value: "send grad",
@@ -31,6 +33,8 @@ _LABEL = {
 _COLOR = {
     Op.FORWARD.value: "#4C72B0",
     Op.BACKWARD.value: "#55A868",
+    Op.BACKWARD_INPUT.value: "#8C6BB1",
+    Op.BACKWARD_WEIGHT.value: "#DD8452",
     Op.SEND_ACTIVATION.value: "#C7C7C7",
     Op.RECV_ACTIVATION.value: "#E5AE38",
     Op.SEND_GRADIENT.value: "#C7C7C7",
@@ -38,9 +42,12 @@ _COLOR = {
 }
 
 
+_COMPUTE = frozenset(op.value for op in Op if op.is_compute)
+
+
 @dataclass(frozen=True)
 class Event:
-    """One action of one stage: its operation (an `Op` value), micro-batch and start/end seconds."""
+    """One action of one stage: its operation (an `Op` value), micro-batch, start/end seconds and model chunk."""
 
     stage: int
     op: str
@@ -48,10 +55,11 @@ class Event:
     start: float
     end: float
     replica: int = 0
+    chunk: int = 0  # which of the stage's virtual stages (interleaved schedules)
 
     @property
     def is_compute(self) -> bool:
-        return self.op in (Op.FORWARD.value, Op.BACKWARD.value)
+        return self.op in _COMPUTE
 
 
 class Timeline:
@@ -64,7 +72,7 @@ class Timeline:
         self.events: list[Event] = []
 
     @contextlib.contextmanager
-    def record(self, op: str, microbatch: int) -> Iterator[None]:
+    def record(self, op: str, microbatch: int, chunk: int = 0) -> Iterator[None]:
         if not self.enabled:
             yield
             return
@@ -72,7 +80,7 @@ class Timeline:
         try:
             yield
         finally:
-            self.events.append(Event(self.stage, op, microbatch, start, time.time(), self.replica))
+            self.events.append(Event(self.stage, op, microbatch, start, time.time(), self.replica, chunk))
 
     def clear(self) -> None:
         self.events.clear()
@@ -83,7 +91,8 @@ def events_from_simulation(placed: Sequence[TimedAction] | Schedule, forward_tim
     """Events of a simulated run (see schedule.timed_simulation), to draw a schedule before running it."""
     if isinstance(placed, Schedule):
         placed = timed_simulation(placed, forward_time, backward_time)
-    return [Event(p.stage, p.action.op.value, p.action.microbatch, p.start, p.end) for p in placed]
+    return [Event(p.stage, p.action.op.value, p.action.microbatch, p.start, p.end, chunk=p.action.chunk)
+            for p in placed]
 
 
 def measured_bubble(events: Sequence[Event]) -> float:
@@ -102,7 +111,7 @@ def chrome_trace(events: Sequence[Event]) -> dict[str, Any]:
         trace.append({"name": "thread_sort_index", **lane, "args": {"sort_index": stage}})
     for e in events:
         trace.append({
-            "name": f"{_LABEL.get(e.op, e.op)} {e.microbatch}",
+            "name": f"{_LABEL.get(e.op, e.op)} {e.microbatch}" + (f" v{e.chunk}" if e.chunk else ""),
             "cat": e.op,
             "ph": "X",
             "ts": (e.start - origin) * 1e6,
@@ -123,6 +132,9 @@ def write_chrome_trace(events: Sequence[Event], path: str | os.PathLike[str]) ->
 def plot_gantt(events: Sequence[Event], path: str | os.PathLike[str], *, title: str | None = None,
                show_communication: bool = True, time_unit: str | None = None) -> None:
     """Draw the events as a Gantt chart PNG: a row per stage, forwards blue, backwards green.
+
+    A split backward (zero bubble) shows its input gradients purple and its weight
+    gradients orange; with virtual stages, a stage's later chunks are paler.
 
     Needs matplotlib. Receives (waiting for a neighbour) are drawn as thin amber bars; sends
     as thin grey bars, since they only start a transfer. Times are shown in ms or s, or
@@ -150,10 +162,12 @@ def plot_gantt(events: Sequence[Event], path: str | os.PathLike[str], *, title: 
         y = row[(e.replica, e.stage)]
         start, width = (e.start - origin) * scale, (e.end - e.start) * scale
         if e.is_compute:
+            # A stage's later chunks (virtual stages) are drawn paler, labelled "micro-batch.chunk".
             axes.broken_barh([(start, width)], (y - 0.4, 0.8), facecolors=_COLOR[e.op], edgecolor="white",
-                             linewidth=0.5)
+                             linewidth=0.5, alpha=1.0 / (1 + 0.6 * e.chunk))
             if width > span * scale / 80:
-                axes.text(start + width / 2, y, str(e.microbatch), ha="center", va="center", color="white", fontsize=7)
+                label = f"{e.microbatch}.{e.chunk}" if any(x.chunk for x in events) else str(e.microbatch)
+                axes.text(start + width / 2, y, label, ha="center", va="center", color="white", fontsize=7)
         elif show_communication:
             axes.broken_barh([(start, max(width, 0.0))], (y + 0.25, 0.15), facecolors=_COLOR.get(e.op, "#999999"))
     axes.set_yticks(range(len(lanes)))
@@ -164,6 +178,9 @@ def plot_gantt(events: Sequence[Event], path: str | os.PathLike[str], *, title: 
     axes.set_title(f"{title + ' — ' if title else ''}bubble {bubble:.0%}")
     handles = [Patch(color=_COLOR[Op.FORWARD.value], label="forward"),
                Patch(color=_COLOR[Op.BACKWARD.value], label="backward")]
+    for op, label in ((Op.BACKWARD_INPUT, "input gradient"), (Op.BACKWARD_WEIGHT, "weight gradient")):
+        if any(e.op == op.value for e in events):
+            handles.append(Patch(color=_COLOR[op.value], label=label))
     if show_communication:
         handles.append(Patch(color=_COLOR[Op.RECV_ACTIVATION.value], label="receive (waiting)"))
     axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)

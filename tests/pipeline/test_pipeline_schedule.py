@@ -90,7 +90,7 @@ def test_schedule_text_and_names() -> None:
     assert schedule.name == "1f1b"
     assert "stage 1: RA0 F0 B0 SG0 RA1 F1 B1 SG1" in str(schedule)
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
-        make_schedule("zero-bubble", 2, 2)
+        make_schedule("round-robin", 2, 2)
     with pytest.raises(ValueError, match="at least 1 micro-batch"):
         make_schedule("gpipe", 2, 0)
 
