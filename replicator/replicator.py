@@ -71,11 +71,8 @@ class Replicator:
     def __init__(
         self,
         *,
-        stages: int = 1,
-        chunks: int = 1,
-        schedule: str = "gpipe",
-        recompute: str = "except_last",
-        virtual_stages: int = 1,
+        stages: int = 1, chunks: int = 1,
+        schedule: str = "gpipe", recompute: str = "except_last", virtual_stages: int = 1,
         reducer: str | Reducer = "auto",
         bucket_cap_mb: float = 25.0,
         timeout_s: float | None = None,
