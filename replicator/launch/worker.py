@@ -9,6 +9,7 @@ prints one summary for every replica, keeping the tracebacks in its log file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -72,6 +73,20 @@ def _record(message: str, callstack: str, site: str | None) -> bool:
     return True
 
 
+def _leave() -> None:
+    """Leave the job's process groups at once, as a failing replica must.
+
+    At exit the job waits for its peers, to tear down together; a replica that failed while
+    the others compute (outside any collective) would wait there for them, up to the
+    collective timeout, and the launcher only stops the others once one process has ended.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
 def run(argv: list[str]) -> None:
     """Run `[-m] TARGET ARGS...` as python would, as `__main__`, with `sys.argv` = `[TARGET, *ARGS]`."""
     module = bool(argv) and argv[0] == "-m"
@@ -86,15 +101,20 @@ def run(argv: list[str]) -> None:
             runpy.run_path(target, run_name="__main__")
     except KeyboardInterrupt:
         # The launcher stopped this replica (Ctrl-C): its summary says so, once for all of them.
+        _leave()
         sys.exit(130)
     except SystemExit as stop:
+        if stop.code not in (None, 0):
+            _leave()
         if isinstance(stop.code, str) and _record(stop.code, "", None):
             sys.exit(1)
         raise
     except BaseException as error:  # everything else the target raises is reported, then exits 1
         tb = _user_frames(error.__traceback__)
         callstack = "".join(traceback.format_exception(type(error), error, tb))
-        if not _record(f"{type(error).__name__}: {error}", callstack, _site(error, tb)):
+        recorded = _record(f"{type(error).__name__}: {error}", callstack, _site(error, tb))
+        _leave()
+        if not recorded:
             raise
         sys.exit(1)
 
