@@ -126,6 +126,7 @@ class Progress:
         self._started = time.perf_counter()
         self._samples = 0
         self.lines = False
+        self._unshown: tuple[int, Any] | None = None  # the latest step, until a line shows it
         if not enabled:
             return
         from rich.console import Console
@@ -178,15 +179,16 @@ class Progress:
         )
         self._bar.refresh()
 
-    def _line(self, step: int, output: Any) -> None:
+    def _line(self, step: int, output: Any, last: bool = False) -> None:
         """Print a progress line if this step is due one: the first, the last, or `every` after the previous."""
         now = time.perf_counter()
-        due = (step == 1 or step == self.total
+        self._unshown = (step, output)
+        due = (last or step == 1 or step == self.total
                or (self._every_steps is not None and step % self._every_steps == 0)
                or (self._every_seconds is not None and now - self._last_update >= self._every_seconds))
         if not due:
             return
-        self._last_update = now
+        self._last_update, self._unshown = now, None
         elapsed = now - self._started
         loss = scalar_of(output)
         parts = [f"{self.description} step {step}" + (f"/{self.total}" if self.total else "")]
@@ -198,7 +200,9 @@ class Progress:
         print(" | ".join(parts), flush=True)
 
     def close(self) -> None:
-        if self.enabled and not self.lines:
+        if self.enabled and self.lines and self._unshown is not None:
+            self._line(*self._unshown, last=True)  # where the run ended, when no line said so yet
+        elif self.enabled and not self.lines:
             self._bar.stop()
 
     # As an observer of the step loop:
@@ -229,7 +233,7 @@ def breakdown_table(per_replica: list[list[float]]) -> Any:
     if main:
         title = f"step-time breakdown (ms per step; all {warmup_steps} steps were warm-up)"
     elif warmup_steps:
-        title = f"step-time breakdown (ms per step, after {warmup_steps} warm-up steps)"
+        title = f"step-time breakdown (ms per step, after {warmup_steps} warm-up step{'s' * (warmup_steps != 1)})"
     else:
         title = "step-time breakdown (ms per step)"
     table = Table(title=title)
