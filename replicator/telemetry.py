@@ -127,6 +127,7 @@ class Progress:
         self._samples = 0
         self.lines = False
         self._unshown: tuple[int, Any] | None = None  # the latest step, until a line shows it
+        self._first = True  # this run's first step (not step 1 when the training resumed) gets a line
         if not enabled:
             return
         from rich.console import Console
@@ -180,15 +181,15 @@ class Progress:
         self._bar.refresh()
 
     def _line(self, step: int, output: Any, last: bool = False) -> None:
-        """Print a progress line if this step is due one: the first, the last, or `every` after the previous."""
+        """Print a progress line if this step is due one: the run's first, the last, or `every` after the previous."""
         now = time.perf_counter()
         self._unshown = (step, output)
-        due = (last or step == 1 or step == self.total
+        due = (last or self._first or step == self.total
                or (self._every_steps is not None and step % self._every_steps == 0)
                or (self._every_seconds is not None and now - self._last_update >= self._every_seconds))
         if not due:
             return
-        self._last_update, self._unshown = now, None
+        self._last_update, self._unshown, self._first = now, None, False
         elapsed = now - self._started
         loss = scalar_of(output)
         parts = [f"{self.description} step {step}" + (f"/{self.total}" if self.total else "")]

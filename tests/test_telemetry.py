@@ -102,6 +102,8 @@ PIPED = textwrap.dedent(
     repl = rp.Replicator()
     for _ in repl.run(lambda ctx, batch: ctx.all_mean(batch.sum()), [torch.ones(2, 3)] * 5):
         pass
+    for _ in repl.run(lambda ctx, batch: ctx.all_mean(batch.sum()), [torch.ones(2, 3)] * 5, steps=7):
+        pass  # steps 6 and 7 of the training
     """
 )
 
@@ -114,9 +116,11 @@ def test_progress_off_a_terminal_is_a_plain_line_every_n_steps(tmp_path: Path) -
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)  # stdout is a pipe
     assert result.returncode == 0, result.stdout + result.stderr
     shown = [line.split(" | ")[0] for line in result.stdout.splitlines() if line.startswith("training step")]
-    # The first and last steps and every 2nd, from replica 0 only. Before: nothing until the end.
-    assert shown == ["training step 1", "training step 2", "training step 4", "training step 5"], result.stdout
+    # Each run's first and last steps and every 2nd, from replica 0 only. Before: nothing until the end.
+    assert shown == ["training step 1", "training step 2", "training step 4", "training step 5",
+                     "training step 6/7", "training step 7/7"], result.stdout
     assert "loss 6.0000" in result.stdout and "samples/s" in result.stdout
+    assert result.stdout.count("step-time breakdown") == 2, "one table per run() call"
 
 
 def test_progress_cadence_is_read_as_steps_or_seconds(monkeypatch: pytest.MonkeyPatch,
