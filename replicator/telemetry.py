@@ -128,6 +128,9 @@ class Progress:
         self.lines = False
         self._unshown: tuple[int, Any] | None = None  # the latest step, until a line shows it
         self._first = True  # this run's first step (not step 1 when the training resumed) gets a line
+        self._done_before = 0  # steps of the training before this run
+        # Read on every replica, so that a bad value raises on all of them alike.
+        cadence = every if every is not None else _env.progress_every()
         if not enabled:
             return
         from rich.console import Console
@@ -137,7 +140,7 @@ class Progress:
         # (rich's own test, which TTY_INTERACTIVE=0 or 1 overrides).
         self.lines = not (console.is_interactive or console.is_jupyter)
         if self.lines:
-            self._every_steps, self._every_seconds = every if every is not None else _env.progress_every()
+            self._every_steps, self._every_seconds = cadence
             self._last_update = self._started
             return
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
@@ -183,6 +186,8 @@ class Progress:
     def _line(self, step: int, output: Any, last: bool = False) -> None:
         """Print a progress line if this step is due one: the run's first, the last, or `every` after the previous."""
         now = time.perf_counter()
+        if self._first:
+            self._done_before = step - 1
         self._unshown = (step, output)
         due = (last or self._first or step == self.total
                or (self._every_steps is not None and step % self._every_steps == 0)
@@ -197,7 +202,8 @@ class Progress:
             parts.append(f"loss {loss:.4f}")
         parts.append(f"{self._samples / max(elapsed, 1e-9):,.0f} samples/s")
         if self.total and step < self.total:
-            parts.append(f"ETA {datetime.timedelta(seconds=round(elapsed / step * (self.total - step)))}")
+            per_step = elapsed / (step - self._done_before)
+            parts.append(f"ETA {datetime.timedelta(seconds=round(per_step * (self.total - step)))}")
         print(" | ".join(parts), flush=True)
 
     def close(self) -> None:

@@ -133,5 +133,6 @@ def test_progress_cadence_is_read_as_steps_or_seconds(monkeypatch: pytest.Monkey
         progress.update(step, samples=4, output=torch.tensor(0.5))
     assert capsys.readouterr().out.count("training step") == 1  # the first step; a second has not passed
     monkeypatch.setenv("REPLICATOR_PROGRESS_EVERY", "often")
-    with pytest.raises(ValueError, match="REPLICATOR_PROGRESS_EVERY='often' is neither a number of steps"):
-        Progress(total=100, enabled=True)
+    for shown in (True, False):  # replicas that draw nothing raise too: all of them stop alike
+        with pytest.raises(ValueError, match="REPLICATOR_PROGRESS_EVERY='often' is neither a number of steps"):
+            Progress(total=100, enabled=shown)

@@ -29,7 +29,8 @@ ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 # Frames in these directories are library code: the site of an error is the innermost frame
 # outside them, the line of the user's script that led to it.
 _LIBRARY_DIRS = tuple(
-    {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    os.path.join(directory, "")
+    for directory in {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     | {os.path.abspath(sysconfig.get_paths()[name]) for name in ("stdlib", "platstdlib", "purelib", "platlib")}
 )
 
