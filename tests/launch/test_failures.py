@@ -68,7 +68,7 @@ def test_the_same_error_on_every_replica_is_printed_once_and_tracebacks_go_to_a_
     assert kept.count("Traceback (most recent call last)") == 2
     # (a replica that recorded its error may still be stopped while it exits: its error counts)
     assert "attempt 0, rank 0 (" in kept and "attempt 0, rank 1 (" in kept
-    assert "failed (exitcode: 1)" in kept, "torchrun's own lines are kept in the log"
+    assert "failed (exitcode: " in kept, "torchrun's own lines are kept in the log"
     assert 'File "' + str(tmp_path / "train.py") + '", line 10, in step_fn' in kept
     assert "runpy" not in kept, "the worker entry's frames are not the user's"
 
