@@ -9,11 +9,14 @@ __all__: list[str] = []
 # Long enough for a slow first step on a loaded machine, short enough that a stuck run ends
 # with an error rather than hanging a job for torch's default half hour.
 DEFAULT_TIMEOUT_S = 300.0
+# Under Slurm, nohup or CI a line every 30 s shows a job is alive without flooding its log.
+DEFAULT_PROGRESS_EVERY_S = 30.0
 
 TIMEOUT = "REPLICATOR_TIMEOUT"  # seconds a collective may wait before it raises
 DEBUG = "REPLICATOR_DEBUG"  # 1: fingerprint every collective and keep a trail of call sites
 THREADS = "REPLICATOR_THREADS"  # torch threads per process, set by the launcher
 PROGRESS = "REPLICATOR_PROGRESS"  # 0: no progress bar or breakdown table
+PROGRESS_EVERY = "REPLICATOR_PROGRESS_EVERY"  # stdout not a terminal: a progress line every N steps or "Ns"
 LOCAL_LINK = "REPLICATOR_LOCAL_LINK"  # 0: keep every message on the group's backend
 ATTEMPT = "REPLICATOR_ATTEMPT"  # which restart of the job this is, set by the launcher
 MAX_RESTARTS = "REPLICATOR_MAX_RESTARTS"  # the launcher's --max-restarts, for the job to read
@@ -58,6 +61,25 @@ def threads() -> int | None:
 def progress() -> bool:
     """REPLICATOR_PROGRESS=0 silences the progress bar and the breakdown table."""
     return os.environ.get(PROGRESS, "1") != "0"
+
+
+def progress_every() -> tuple[int | None, float | None]:
+    """(steps, seconds) between progress lines when stdout is not a terminal (REPLICATOR_PROGRESS_EVERY):
+    "100" means every 100 steps, "30s" every 30 seconds (the default)."""
+    value = os.environ.get(PROGRESS_EVERY, "").strip().lower() or f"{DEFAULT_PROGRESS_EVERY_S:g}s"
+    try:
+        if value.endswith("s"):
+            seconds = float(value[:-1])
+            if seconds > 0:
+                return None, seconds
+        elif int(value) > 0:
+            return int(value), None
+    except ValueError:
+        pass
+    raise ValueError(
+        f"environment variable {PROGRESS_EVERY}={value!r} is neither a number of steps (\"100\") nor of seconds "
+        "(\"30s\"); both must be positive"
+    )
 
 
 def local_link() -> bool:

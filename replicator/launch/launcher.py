@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 
 from replicator import _env
-from replicator.launch.recovery import run_attempts
+from replicator.launch.master import resolve_master, wait_for_master
+from replicator.launch.recovery import Outcome, run_attempts
+from replicator.launch.report import LaunchLog
 from replicator.launch.spawn import run_attempt
 from replicator.launch.spec import LaunchSpec
 
@@ -38,16 +40,35 @@ def heap_kept_environment() -> dict[str, str]:
 
 
 def launch(spec: LaunchSpec) -> int:
-    """Run the job, restarting all of it up to `spec.max_restarts` times; returns the exit code."""
+    """Run the job, restarting all of it up to `spec.max_restarts` times; returns the exit code.
+
+    Raises ValueError when `--master` does not resolve, TimeoutError when node 0 never listens.
+    """
     spec.validate()
+    master = resolve_master(spec.master) if spec.master else None
     saved = dict(os.environ)
     for key, value in _environment(spec).items():
         # An explicit --threads wins; otherwise a user's own OMP_NUM_THREADS is respected.
         if spec.threads_per_process or key not in os.environ:
             os.environ[key] = value
     os.environ[_env.MAX_RESTARTS] = str(spec.max_restarts)
+
+    def attempt(number: int) -> Outcome:
+        if master is not None and spec.node_rank > 0:
+            host, base = master
+            wait_for_master(host, base + number, spec.master_timeout_s, spec.node_rank, _say)
+        return run_attempt(spec, number, log)
+
     try:
-        return run_attempts(lambda attempt: run_attempt(spec, attempt), spec.max_restarts)
+        with LaunchLog(spec.log_dir) as log:
+            code = run_attempts(attempt, spec.max_restarts)
+        if log.failed:
+            _say(f"replicator: full tracebacks and torchrun's messages are in {log.path}")
+        return code
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)  # interleaves in order with the replicas' own output

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from replicator import _env
+from replicator.launch.report import RankError, failure_lines, interrupted_line
 
 __all__ = ["Outcome", "current_attempt", "run_attempts"]
 
@@ -17,10 +18,14 @@ class Outcome:
     ok: bool
     failures: dict[int, int] = field(default_factory=dict)  # global rank -> exit code (negative: signal)
     interrupted: bool = False  # the launcher itself was told to stop: never restart then
+    errors: dict[int, RankError] = field(default_factory=dict)  # what failed ranks recorded, where they did
+    stopped: list[int] = field(default_factory=list)  # this node's ranks the launcher stopped while they ran
 
 
 def current_attempt() -> int:
     """The attempt this process belongs to: 0 on the first run, k after the k-th restart.
+
+    The launcher's messages number attempts the same way ("attempt 1 (restart 1 of at most 2)").
 
     Counts replicator's restarts and, for a job started by plain torchrun, torchrun's own
     (under `replicator launch` torchrun never restarts, so its count stays 0).
@@ -46,20 +51,19 @@ def run_attempts(run_once: Callable[[int], Outcome], max_restarts: int, log: Cal
         outcome = run_once(attempt)
         if outcome.ok:
             if attempt:
-                log(f"replicator: the job succeeded on attempt {attempt + 1} of at most {max_restarts + 1}")
+                log(f"replicator: the job succeeded on attempt {attempt} (restart {attempt} of at most {max_restarts})")
             return 0
-        lines = [f"replicator: {len(outcome.failures)} replica process(es) failed:"]
-        for rank, code in sorted(outcome.failures.items()):
-            lines.append(f"  rank {rank}: exit code {code}" + (f" (signal {-code})" if code < 0 else ""))
-        log("\n".join(lines))
         if outcome.interrupted:
-            log("replicator: the launcher was interrupted; not restarting")
+            log(interrupted_line(outcome.stopped) + ("; not restarting" if max_restarts else ""))
             return 130
+        where = f" on attempt {attempt}" if max_restarts else ""
+        log("\n".join([f"replicator: the job failed{where}:",
+                       *failure_lines(outcome.failures, outcome.errors, outcome.stopped)]))
         if attempt < max_restarts:
             log(
-                f"replicator: restarting the whole job (attempt {attempt + 2} of at most {max_restarts + 1}) with a "
-                "fresh rendezvous; it resumes from its last complete checkpoint"
+                f"replicator: restarting the whole job: attempt {attempt + 1} (restart {attempt + 1} of at most "
+                f"{max_restarts}) with a fresh rendezvous; it resumes from its last complete checkpoint"
             )
     if max_restarts:
-        log(f"replicator: giving up after {max_restarts + 1} attempts")
+        log(f"replicator: giving up after {max_restarts} restart(s)")
     return 1

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 from typing import Any
 
 from replicator import _env
 from replicator.launch.recovery import Outcome
+from replicator.launch.report import LaunchLog, read_error
 from replicator.launch.spec import LaunchSpec
 
 __all__ = ["free_port", "torchrun_arguments", "run_attempt", "LOOPBACK_RENDEZVOUS"]
 
 LOOPBACK_RENDEZVOUS = "replicator-loopback"
+WORKER = "replicator.launch.worker"  # what torchrun starts: it runs the target and records its error
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -22,8 +25,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(probe.getsockname()[1])
 
 
-def torchrun_arguments(spec: LaunchSpec, attempt: int = 0) -> list[str]:
-    """torchrun's command line for one attempt: a fresh rendezvous port each time, no in-place restarts."""
+def torchrun_arguments(spec: LaunchSpec, attempt: int = 0, log_dir: str | None = None) -> list[str]:
+    """torchrun's command line for one attempt: a fresh rendezvous port each time, no in-place restarts.
+
+    torchrun starts replicator's worker entry, which runs the target and records its error for
+    the launcher's summary; `log_dir` is where torchrun keeps those error files.
+    """
     if spec.master:
         # Every node's launcher counts attempts alike, so all of them move to the same new port.
         host, base = spec.master.rsplit(":", 1)
@@ -42,11 +49,12 @@ def torchrun_arguments(spec: LaunchSpec, attempt: int = 0) -> list[str]:
         # dial the previous attempt's dead peers or hang: restarts are ours (see recovery).
         "--max-restarts", "0",
     ]
-    if spec.module:
-        arguments.append("-m")
+    if log_dir is not None:
+        arguments += ["--log-dir", log_dir]
+    target = ["-m", spec.target] if spec.module else [spec.target]
     # "--" ends torchrun's options: a script argument such as --log would otherwise be taken
     # as an abbreviation of one of torchrun's (--log-dir) and rejected.
-    return [*arguments, "--", spec.target, *spec.args]
+    return [*arguments, "-m", "--", WORKER, *target, *spec.args]
 
 
 def _loopback_rendezvous(params: Any) -> Any:
@@ -99,18 +107,32 @@ def _register_rendezvous() -> None:
     rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, _loopback_rendezvous)
 
 
-def run_attempt(spec: LaunchSpec, attempt: int) -> Outcome:
-    """One torchrun invocation: every replica started afresh, on a new port."""
+def run_attempt(spec: LaunchSpec, attempt: int, log: LaunchLog) -> Outcome:
+    """One torchrun invocation: every replica started afresh, on a new port; failures kept in `log`."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     _register_rendezvous()
     os.environ[_env.ATTEMPT] = str(attempt)
+    here = range(spec.node_rank * spec.nproc_per_node, (spec.node_rank + 1) * spec.nproc_per_node)
     try:
-        run(parse_args(torchrun_arguments(spec, attempt)))
+        run(parse_args(torchrun_arguments(spec, attempt, str(log.directory))))
     except ChildFailedError as failure:
-        return Outcome(False, {rank: info.exitcode for rank, info in failure.failures.items()})
+        codes = {rank: info.exitcode for rank, info in failure.failures.items()}
+        errors = {rank: error for rank, info in failure.failures.items()
+                  if (error := read_error(info.error_file_data)) is not None}
+        # As soon as one replica fails torchrun's agent stops the others with SIGTERM and lists
+        # them among the failures too: those that recorded no error of their own were stopped.
+        # (When every one of them ended that way, something else sent the signals: all failed.)
+        stopped = [rank for rank, code in codes.items() if code == -signal.SIGTERM and rank not in errors]
+        if len(stopped) == len(codes):
+            stopped = []
+        stopped += [rank for rank in here if rank not in codes]
+        failed = {rank: code for rank, code in codes.items() if rank not in stopped}
+        for rank, code in sorted(failed.items()):
+            log.record(attempt, rank, code, errors.get(rank))
+        return Outcome(False, failed, errors=errors, stopped=sorted(stopped))
     except SignalException:
-        return Outcome(False, interrupted=True)  # the launcher itself was told to stop
+        return Outcome(False, interrupted=True, stopped=list(here))  # the launcher itself was told to stop
     return Outcome(True)

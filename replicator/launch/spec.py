@@ -21,6 +21,8 @@ class LaunchSpec:
     module: bool = False
     threads_per_process: int | None = None
     max_restarts: int = 0  # whole-job restarts after a failure; the job resumes from its checkpoint
+    master_timeout_s: float = 300.0  # how long a node other than 0 waits for node 0 to listen
+    log_dir: str | None = None  # where the launch log and torchrun's error files go; None: a temporary directory
 
     def validate(self) -> None:
         """Raise ValueError (or FileNotFoundError for a missing script) naming the option to fix."""
@@ -32,6 +34,8 @@ class LaunchSpec:
             raise ValueError("a multi-node launch needs --master HOST:PORT (the address of node 0, same on every node)")
         if self.master and (":" not in self.master or not self.master.rsplit(":", 1)[1].isdigit()):
             raise ValueError(f"--master must look like HOST:PORT, got {self.master!r}")
+        if not self.master_timeout_s > 0:
+            raise ValueError(f"--master-timeout must be a positive number of seconds, got {self.master_timeout_s}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if not self.module and not os.path.exists(self.target):

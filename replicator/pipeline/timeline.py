@@ -182,7 +182,8 @@ def plot_gantt(events: Sequence[Event], path: str | os.PathLike[str], *, title: 
         if any(e.op == op.value for e in events):
             handles.append(Patch(color=_COLOR[op.value], label=label))
     if show_communication:
-        handles.append(Patch(color=_COLOR[Op.RECV_ACTIVATION.value], label="receive (waiting)"))
+        handles += [Patch(color=_COLOR[Op.RECV_ACTIVATION.value], label="receive (waiting)"),
+                    Patch(color=_COLOR[Op.SEND_ACTIVATION.value], label="send")]
     axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -149,7 +149,8 @@ def launch_job(
     # Nothing from an enclosing job's rendezvous may leak into this one.
     rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")
     env = {k: v for k, v in os.environ.items() if k not in rendezvous}
-    env.update({_env.PROGRESS: "0", "PYTHONUNBUFFERED": "1"})
+    # TMPDIR: the launcher keeps a failed attempt's log in a temporary directory, here in workdir.
+    env.update({_env.PROGRESS: "0", "PYTHONUNBUFFERED": "1", "TMPDIR": str(workdir)})
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         output, _ = launcher.communicate(timeout=timeout_s)

@@ -26,7 +26,8 @@ def test_attempts_run_until_one_succeeds_and_never_after_an_interrupt() -> None:
         return Outcome(attempt == 2, {} if attempt == 2 else {1: -9})
 
     assert run_attempts(fails_twice, 2, lines.append) == 0 and seen == [0, 1, 2]
-    assert "rank 1: exit code -9 (signal 9)" in lines[0] and "attempt 2 of at most 3" in lines[1]
+    assert "rank 1: killed by signal 9 (SIGKILL), no error recorded" in lines[0]
+    assert "attempt 1 (restart 1 of at most 2)" in lines[1]  # attempts count from 0, as current_attempt() does
     seen.clear()
     assert run_attempts(fails_twice, 1, lines.append) == 1 and seen == [0, 1]
     assert run_attempts(lambda attempt: Outcome(False, interrupted=True), 5, lines.append) == 130
@@ -36,7 +37,8 @@ def test_each_attempt_is_a_fresh_rendezvous_without_torchrun_restarts() -> None:
     local = LaunchSpec(target="train.py", args=["--log", "x"], nproc_per_node=2)
     arguments = torchrun_arguments(local, attempt=1)
     assert arguments[arguments.index("--max-restarts") + 1] == "0"
-    assert arguments[-4:] == ["--", "train.py", "--log", "x"]  # script options never reach torchrun's parser
+    # Script options never reach torchrun's parser; the worker entry runs the script.
+    assert arguments[-5:] == ["--", "replicator.launch.worker", "train.py", "--log", "x"]
     nodes = LaunchSpec(target="train.py", args=[], nnodes=2, master="10.0.0.1:29400")
     commands = [torchrun_arguments(nodes, attempt) for attempt in range(3)]
     ports = [command[command.index("--master-port") + 1] for command in commands]
@@ -58,7 +60,7 @@ def test_a_replica_killed_at_a_random_step_is_restarted_and_ends_identical(tmp_p
     result = launch_job(tmp_path, *JOB, "--kill-step", str(kill_step), "--kill-rank", str(kill_rank), max_restarts=2)
     problems = recovery_problems(result, reference, steps=STEPS, every=EVERY)
     assert not problems, (kill_step, kill_rank, result.output[-3000:])
-    assert "restarting the whole job (attempt 2 of at most 3)" in result.output
+    assert "restarting the whole job: attempt 1 (restart 1 of at most 2)" in result.output
 
 
 def test_a_replica_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(

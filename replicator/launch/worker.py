@@ -1,0 +1,124 @@
+"""Each replica process under `replicator launch`: the user's script, its error kept for the launcher (internal).
+
+torchrun starts `python -m replicator.launch.worker [-m] TARGET ARGS...` instead of the
+target itself. The target runs as `python TARGET` (or `python -m TARGET`) would run it; if it
+raises, the error goes into torchrun's error file (TORCHELASTIC_ERROR_FILE, in the schema of
+torch.distributed.elastic's ErrorHandler) rather than onto the terminal, and the launcher
+prints one summary for every replica, keeping the tracebacks in its log file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import runpy
+import sys
+import sysconfig
+import time
+import traceback
+from types import TracebackType
+
+from replicator.errors import ReplicatorError
+
+__all__: list[str] = []
+
+# torchrun sets this for every worker it starts; the launcher reads the file back.
+ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+
+# Frames in these directories are library code: the site of an error is the innermost frame
+# outside them, the line of the user's script that led to it.
+_LIBRARY_DIRS = tuple(
+    os.path.join(directory, "")
+    for directory in {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    | {os.path.abspath(sysconfig.get_paths()[name]) for name in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback from the target's own first frame on: without this module's and runpy's frames."""
+    here = os.path.abspath(__file__)
+    while tb is not None and (os.path.abspath(tb.tb_frame.f_code.co_filename) == here
+                              or tb.tb_frame.f_globals.get("__name__") == "runpy"):
+        tb = tb.tb_next
+    return tb
+
+
+def _site(error: BaseException, tb: TracebackType | None) -> str | None:
+    """`file:line in function` of the innermost frame in the user's code; None for replicator's own
+    errors, whose messages already name the call sites that matter."""
+    if isinstance(error, ReplicatorError):
+        return None
+    site = None
+    for frame in traceback.extract_tb(tb):
+        if not os.path.abspath(frame.filename).startswith(_LIBRARY_DIRS):
+            site = f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
+    return site
+
+
+def _record(message: str, callstack: str, site: str | None) -> bool:
+    """Write the error file torchrun's agent reads; False when there is none to write."""
+    path = os.environ.get(ERROR_FILE)
+    if not path:
+        return False
+    now = time.time()
+    # "timestamp" is torch's (whole seconds); "time" orders failures within a second for the summary.
+    extra: dict[str, str | float] = {"py_callstack": callstack, "timestamp": str(int(now)), "time": now}
+    if site:
+        extra["site"] = site
+    try:
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump({"message": {"message": message, "extraInfo": extra}}, file)
+    except OSError:
+        return False
+    return True
+
+
+def _leave() -> None:
+    """Leave the job's process groups at once, as a failing replica must.
+
+    At exit the job waits for its peers, to tear down together; a replica that failed while
+    the others compute (outside any collective) would wait there for them, up to the
+    collective timeout, and the launcher only stops the others once one process has ended.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def run(argv: list[str]) -> None:
+    """Run `[-m] TARGET ARGS...` as python would, as `__main__`, with `sys.argv` = `[TARGET, *ARGS]`."""
+    module = bool(argv) and argv[0] == "-m"
+    target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
+    sys.argv = [target, *args]
+    try:
+        if module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            # `python script.py` puts the script's directory first on the path, not the cwd.
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except KeyboardInterrupt:
+        # The launcher stopped this replica (Ctrl-C): its summary says so, once for all of them.
+        _leave()
+        sys.exit(130)
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            _leave()
+        if isinstance(stop.code, str) and _record(stop.code, "", None):
+            sys.exit(1)
+        raise
+    except BaseException as error:  # everything else the target raises is reported, then exits 1
+        tb = _user_frames(error.__traceback__)
+        callstack = "".join(traceback.format_exception(type(error), error, tb))
+        recorded = _record(f"{type(error).__name__}: {error}", callstack, _site(error, tb))
+        _leave()
+        if not recorded:
+            raise
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])
