@@ -43,6 +43,9 @@ def _digest(lines: list[str]) -> int:
 
 def fingerprint(tensor: torch.Tensor) -> int:
     """A CRC of the tensor's bytes: equal exactly when the values are bit-for-bit equal."""
+    if tensor.is_sparse:  # a sparse optimizer state (SGD's momentum of sparse gradients): its rows and values
+        sparse = tensor.detach().coalesce()
+        return zlib.crc32(fingerprint(sparse.values()).to_bytes(4, "little"), fingerprint(sparse.indices()))
     data = tensor.detach().to("cpu").reshape(-1)  # 1-d: a 0-d tensor cannot be viewed as bytes
     return zlib.crc32(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
 

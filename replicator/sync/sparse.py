@@ -62,6 +62,7 @@ def sum_sparse(gradients: list[torch.Tensor | None], shapes: list[torch.Tensor],
             torch.cat([i[:, :n] for i, n in zip(all_indices, nnz)], dim=1),
             torch.cat([v[:n] for v, n in zip(all_values, nnz)]),
             shape.shape, device=device,
+            check_invariants=True,  # rows come from other processes: an index out of range raises, not corrupts
         )
         summed.append(merged.coalesce())
     return summed
