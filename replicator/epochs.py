@@ -216,7 +216,7 @@ class InputPosition:
                      "on but not exactly as it would have")
 
     def begin(self, inputs: Iterable[Any], epochs: int | None, steps: int | None) -> EpochStream:
-        """The stream a run reads: the same inputs go on where the last run stopped; others start at the position.
+        """The stream a run reads: the same inputs go on where the last run stopped; others start at their beginning.
 
         With `epochs` it ends before that epoch; without, after one pass, or (with `steps`)
         never: the step count ends the run, with as many epochs as it takes.
@@ -227,7 +227,8 @@ class InputPosition:
             stream.bound(epochs, cycle=steps is not None)
             return stream
         pending, self.pending = self.pending, None
-        start = Place.from_state(pending) if pending else (stream.position() if stream is not None else Place())
+        # Other inputs start from their first batch (only a restored position skips into one); the epoch count goes on.
+        start = Place.from_state(pending) if pending else Place(stream.position().epoch if stream is not None else 0)
         source, device = self._source(inputs)
         if isinstance(source, Iterator) and epochs is not None and epochs - start.epoch > 1:
             raise ReplicatorUsageError(

@@ -276,6 +276,25 @@ def test_a_run_that_stops_before_its_steps_says_why(capsys: pytest.CaptureFixtur
     repl.close()
 
 
+def test_a_new_input_starts_from_its_first_batch_and_the_same_input_goes_on() -> None:
+    """Phases fed as fresh lists (a benchmark's, a curriculum's) train from each list's start; the same
+    input passed again continues where the last run stopped."""
+    repl = rp.Replicator()
+    seen: list[float] = []
+
+    def step_fn(ctx: rp.ReplicaContext, batch: torch.Tensor) -> torch.Tensor:
+        seen.append(float(batch[0, 0]))
+        return batch.sum()
+
+    first = [torch.full((2, 1), float(i)) for i in range(5)]
+    second = [torch.full((2, 1), 10.0 + i) for i in range(8)]
+    list(repl.run(step_fn, first, steps=3, progress=False))
+    list(repl.run(step_fn, second, steps=repl.global_step + 4, progress=False))
+    list(repl.run(step_fn, second, steps=repl.global_step + 2, progress=False))
+    assert seen == [0.0, 1.0, 2.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0]
+    repl.close()
+
+
 def _nan_through_all_mean() -> None:
     repl = rp.Replicator()
 
