@@ -52,6 +52,7 @@ class Job:
     _closers: list[object] = field(default_factory=list)
     _said_goodbye: bool = False
     _in_verb: bool = False  # inside a facade verb that announced itself
+    failing: bool = False  # an exception is ending this process: leave at once, wait for no peer
 
     @classmethod
     def start(cls, *, stages: int = 1, timeout_s: float | None = None, debug: bool | None = None) -> Job:
@@ -85,6 +86,7 @@ class Job:
                   owns_process_group)
         if owns_process_group:
             atexit.register(job.close)
+            _note_failures(job)
         return job
 
     @property
@@ -132,7 +134,8 @@ class Job:
 
     def close(self) -> None:
         """Stop background work, close the links and, if this job created them, the process groups."""
-        self._say_goodbye()
+        if not self.failing:
+            self._say_goodbye()
         for closer in self._closers:
             getattr(closer, "close", lambda: None)()
         self._closers.clear()
@@ -146,10 +149,28 @@ class Job:
         if self.owns_process_group and dist.is_initialized():
             # Tear down together: a replica that closes its sockets while a peer is still
             # finishing its last collective can make that peer abort at exit.
-            with contextlib.suppress(RuntimeError):
-                self.barrier()
+            if not self.failing:
+                with contextlib.suppress(RuntimeError):
+                    self.barrier()
             dist.destroy_process_group()
             self.owns_process_group = False
+
+
+def _note_failures(job: Job) -> None:
+    """Mark `job` failing when an uncaught exception ends the process, before the exit-time close runs.
+
+    A replica that fails while its peers compute would otherwise wait for them at close()'s
+    last check and barrier, and they for it at their next collective, until the timeout: it
+    must leave at once, so that its closed sockets tell them (plain torchrun and Slurm too,
+    not only `replicator launch`, whose worker leaves the groups itself).
+    """
+    previous = sys.excepthook
+
+    def note_then_report(kind: type[BaseException], error: BaseException, trace: Any) -> None:
+        job.failing = True
+        previous(kind, error, trace)
+
+    sys.excepthook = note_then_report
 
 
 def _agreements(topology: Topology, groups: ProcessGroups, timeout_s: float,

@@ -94,3 +94,31 @@ def test_ctrl_c_says_which_replicas_it_stopped(tmp_path: Path) -> None:
     assert "replicator: interrupted; stopped ranks 0, 1" in out, out
     assert "0 replica process(es) failed" not in out
     assert "KeyboardInterrupt" not in out + err and "Traceback" not in out + err, out + err
+
+
+PLAIN_TORCHRUN_SCRIPT = textwrap.dedent(
+    """
+    import time, torch
+    import replicator as rp
+
+    repl = rp.Replicator()
+    if repl.replica_id == 1:
+        raise ValueError("replica 1 fails while replica 0 computes")
+    time.sleep(6)  # computing, outside any collective, longer than the goodbye waits for it
+    repl.context.all_sum(torch.ones(1))
+    """
+)
+
+
+def test_a_replica_failing_under_plain_torchrun_leaves_at_once(tmp_path: Path) -> None:
+    """Without `replicator launch`'s worker, a failing replica used to wait at exit for its peers (and they
+    for it, at their next collective) until REPLICATOR_TIMEOUT; now it leaves, and torchrun stops the rest."""
+    script = tmp_path / "train.py"
+    script.write_text(PLAIN_TORCHRUN_SCRIPT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
+    env = {"REPLICATOR_PROGRESS": "0", "REPLICATOR_TIMEOUT": "60", "REPLICATOR_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    started = time.monotonic()
+    torchrun = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    code, out, err = finish(torchrun)
+    assert code != 0 and "replica 1 fails while replica 0 computes" in err, out + err
+    assert time.monotonic() - started < 40, f"the job took until the timeout to end:\n{out}\n{err}"
