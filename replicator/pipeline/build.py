@@ -15,8 +15,7 @@ from replicator.pipeline.hooks import StageHooks, with_no_sync
 from replicator.pipeline.partition import Balance, check_stage_count, layers_of, resolve_balance, split
 from replicator.pipeline.recompute import resolve_recompute
 from replicator.pipeline.schedule import SCHEDULES, Op, Schedule, schedule_key
-from replicator.pipeline.stage import PipelineStage
-from replicator.pipeline.virtual_stage import VirtualPipelineStage
+from replicator.pipeline.stage import PipelineStage, StageChunks
 
 __all__ = ["build_pipeline", "agreed_balance"]
 
@@ -87,7 +86,7 @@ def build_pipeline(
     no_sync: Callable[[], AbstractContextManager[Any]] | None = None,
     record: bool = True,
     virtual_stages: int = 1,
-) -> PipelineStage | VirtualPipelineStage:
+) -> PipelineStage:
     """Split `modules` into `num_stages` stages and return stage `stage_id` as a PipelineStage.
 
     Every process builds the whole model the same way (same seed) and calls this; each
@@ -103,7 +102,7 @@ def build_pipeline(
         checkpoint: the deprecated name of `recompute` (a DeprecationWarning).
         virtual_stages: V, model chunks per stage: the model is cut into K x V pieces (balance
             then counts K x V of them) and this stage keeps pieces stage_id, stage_id + K, ...
-            Interleaved and zero-bubble schedules return a VirtualPipelineStage (same interface).
+            Interleaved and zero-bubble schedules give a PipelineStage of StageChunks (V chunks).
     """
     layers_of(modules)  # a clear error for a model that is not a sequence of layers, before any collective
     if not 0 <= stage_id < num_stages:
@@ -118,8 +117,8 @@ def build_pipeline(
         for piece in mine:
             if device is not None:
                 piece.to(device)
-        return VirtualPipelineStage(
-            mine, stage_id=stage_id, num_stages=num_stages, stage_ranks=stage_ranks, group=stage_group,
+        return PipelineStage(
+            StageChunks(mine), stage_id=stage_id, num_stages=num_stages, stage_ranks=stage_ranks, group=stage_group,
             chunks=chunks, schedule=schedule, recompute=resolve_recompute(recompute, checkpoint), device=device,
             replica=replica, record=record, hooks=with_no_sync(hooks, no_sync),
         )
@@ -150,7 +149,7 @@ def _check_pieces(num_layers: int, num_stages: int, virtual_stages: int, balance
 
 
 def _needs_virtual_stage(schedule: str | Schedule, virtual_stages: int) -> bool:
-    """Whether `schedule` runs on VirtualPipelineStage: chunks per stage, or a split backward."""
+    """Whether `schedule` cuts the model into pieces per chunk: chunks per stage, or a split backward."""
     if isinstance(schedule, Schedule):
         split = {Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT}
         return schedule.virtual_stages > 1 or any(a.op in split for actions in schedule.stages for a in actions)

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+import torch
+
 from replicator.comm.agreement import Agreement
-from replicator.pipeline.outcome import Outcome, gather_outcomes
+from replicator.pipeline.outcome import Outcome, gather_outcomes, replicas_failed
+from replicator.pipeline.step import PipelineError
 from replicator.topology import Mesh
 
-__all__ = ["StageHooks", "job_hooks"]
+__all__ = ["StageHooks", "job_hooks", "around_training_step"]
 
 
 @dataclasses.dataclass
@@ -69,3 +73,30 @@ def with_no_sync(
     if hooks.no_sync is not None:
         raise ValueError("pass no_sync either as a keyword or in hooks=StageHooks(no_sync=...), not both")
     return dataclasses.replace(hooks, no_sync=no_sync)
+
+
+def around_training_step(hooks: StageHooks, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Run one training step (`run`, which raises PipelineError on failure) inside the job's hooks.
+
+    The gradient averaging is held for the whole step; then every process of the job
+    learns how every step went. After a success everywhere the held averaging is
+    released; after a failure anywhere every replica drops it and raises the same
+    PipelineError, so the replicas stay identical.
+    """
+    failure: PipelineError | None = None
+    with hooks.hold_gradients() if hooks.hold_gradients is not None else contextlib.nullcontext():
+        try:
+            loss = run()
+        except PipelineError as error:
+            failure = error
+    if hooks.agree_on_outcome is not None:
+        outcomes = hooks.agree_on_outcome(None if failure is None else failure.reason)
+        if outcomes:
+            if hooks.abandon_gradients is not None:
+                hooks.abandon_gradients()
+            raise replicas_failed(failure, list(outcomes)) from failure
+    if failure is not None:
+        raise failure
+    if hooks.release_gradients is not None:
+        hooks.release_gradients()
+    return loss

@@ -3,55 +3,56 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from replicator.comm import p2p
-from replicator.pipeline.schedule import Op, Schedule
+from replicator.pipeline.schedule import Schedule, endpoint
 
 __all__ = ["StageLinks", "delivered_counts"]
 
 
 @dataclass
 class StageLinks:
-    """One link per neighbour and direction (None at the pipeline's ends, or with one stage).
+    """One link per neighbouring stage and direction (none with one stage).
 
-    Activations and status messages share the downstream link, which keeps them in the
-    order both ends expect.
+    `to_stage[s]` sends to stage s and `from_stage[s]` receives from it. Activations and
+    status messages share the downstream link, which keeps them in the order both ends
+    expect. With virtual stages the neighbours form a ring: the last stage also passes
+    activations on to the first (and the first gradients back to the last).
     """
 
-    to_next: p2p.Link | None = None
-    from_next: p2p.Link | None = None
-    to_previous: p2p.Link | None = None
+    to_stage: dict[int, p2p.Link] = field(default_factory=dict)
+    from_stage: dict[int, p2p.Link] = field(default_factory=dict)
+    to_next: p2p.Link | None = None  # the status message at a step's end runs down the stages, never round
     from_previous: p2p.Link | None = None
 
     @classmethod
     def connect(cls, stage_id: int, num_stages: int, stage_ranks: Sequence[int], group: dist.ProcessGroup | None,
-                device: torch.device) -> StageLinks:
+                device: torch.device, ring: bool = False) -> StageLinks:
         """The links of stage `stage_id` of a pipeline whose stages are the global ranks `stage_ranks`."""
         links = cls()
         if num_stages == 1:
             return links
         assert group is not None
-        if stage_id < num_stages - 1:
-            links.to_next = p2p.Link(stage_ranks[stage_id + 1], group, device)
-            links.from_next = p2p.Link(stage_ranks[stage_id + 1], group, device)
-        if stage_id > 0:
-            links.to_previous = p2p.Link(stage_ranks[stage_id - 1], group, device)
-            links.from_previous = p2p.Link(stage_ranks[stage_id - 1], group, device)
+        peers = {stage_id + 1, stage_id - 1} if not ring else {(stage_id + 1) % num_stages, (stage_id - 1) % num_stages}
+        for peer in sorted(p for p in peers if 0 <= p < num_stages):
+            links.to_stage[peer] = p2p.Link(stage_ranks[peer], group, device)
+            links.from_stage[peer] = p2p.Link(stage_ranks[peer], group, device)
+        links.to_next = links.to_stage.get(stage_id + 1)
+        links.from_previous = links.from_stage.get(stage_id - 1)
         return links
 
     @property
     def outgoing(self) -> list[p2p.Link]:
-        return [link for link in (self.to_next, self.to_previous) if link is not None]
+        return list(self.to_stage.values())
 
     @property
     def message_count(self) -> int:
         """Point-to-point messages posted on these links so far, sends and receives."""
-        links = (self.to_next, self.from_next, self.to_previous, self.from_previous)
-        return sum(link.messages for link in links if link is not None)
+        return sum(link.messages for link in [*self.to_stage.values(), *self.from_stage.values()])
 
     def sent_so_far(self) -> dict[int, int]:
         """Transfers sent to each neighbour (by global rank) until now."""
@@ -76,27 +77,30 @@ def settle_delivered(link: p2p.Link | None, sent_before: dict[int, int], deliver
 
 
 def delivered_counts(schedule: Schedule, stage: int) -> list[int]:
-    """For each action of `stage`: if it receives, how many of the step's sends to that neighbour it proves delivered.
+    """For each action of `stage`: if it receives, how many of the step's sends to that peer it proves delivered.
 
-    The neighbour sent the message after receiving that many of ours (the schedule says
-    how many), so those sends have completed. Other actions get 0.
+    The peer sent the message after receiving that many of ours (the schedule says how
+    many), so those sends have completed. Each pair of stages has one ordered stream per
+    direction, whatever it carries (activations and gradients, with virtual stages).
+    Other actions get 0.
     """
-    actions = schedule.stages[stage]
-    counts = [0] * len(actions)
-    for neighbour, incoming, outgoing_there, incoming_there in (
-        (stage - 1, Op.RECV_ACTIVATION, Op.SEND_ACTIVATION, Op.RECV_GRADIENT),
-        (stage + 1, Op.RECV_GRADIENT, Op.SEND_GRADIENT, Op.RECV_ACTIVATION),
-    ):
-        if not 0 <= neighbour < schedule.num_stages:
-            continue
-        proven = []  # per message the neighbour sends us: our messages it had received by then
+    def talks_to(s: int) -> list[tuple[int, int, bool]]:  # (position, peer, is a receive) of each message
+        return [(n, endpoint(schedule, s, a)[0], a.op.is_recv) for n, a in enumerate(schedule.stages[s])
+                if a.op.is_send or a.op.is_recv]
+
+    mine = talks_to(stage)
+    counts = [0] * len(schedule.stages[stage])
+    for peer in sorted({p for _, p, _ in mine}):
+        proven = []  # per message the peer sends us: our messages it had received by then
         received = 0
-        for action in schedule.stages[neighbour]:
-            if action.op is incoming_there:
+        for _, there, is_recv in talks_to(peer):
+            if there != stage:
+                continue
+            if is_recv:
                 received += 1
-            elif action.op is outgoing_there:
+            else:
                 proven.append(received)
-        positions = [n for n, action in enumerate(actions) if action.op is incoming]
+        positions = [n for n, p, is_recv in mine if p == peer and is_recv]
         for position, count in zip(positions, proven, strict=True):
             counts[position] = count
     return counts

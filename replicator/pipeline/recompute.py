@@ -113,8 +113,24 @@ def run_forward(module: nn.Module, inputs: Any, recompute: bool) -> Any:
         lambda kept: module(_fresh_copies(kept)),
         inputs,
         use_reentrant=False,
-        context_fn=lambda: (contextlib.nullcontext(), recomputing(module)),
+        context_fn=lambda: (contextlib.nullcontext(), _Recomputing(module)),
     )
+
+
+class _Recomputing:
+    """`recomputing(module)` that can be entered again: a split backward (zero bubble) recomputes in each pass."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._open: list[contextlib.AbstractContextManager[None]] = []
+
+    def __enter__(self) -> None:
+        context = recomputing(self.module)
+        self._open.append(context)
+        context.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._open.pop().__exit__(*exc)
 
 
 def _fresh_copies(inputs: Any) -> Any:

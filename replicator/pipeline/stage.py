@@ -1,4 +1,4 @@
-"""PipelineStage: this process's stage of a pipeline, running its schedule over point-to-point messages."""
+"""PipelineStage: this process's stage of a pipeline (one model chunk or several), running its schedule over p2p."""
 
 from __future__ import annotations
 
@@ -14,18 +14,45 @@ from torch import nn
 from replicator._tree import tensors, to_device
 from replicator.comm import p2p
 from replicator.pipeline.failures import end_evaluation_step, end_training_step
-from replicator.pipeline.hooks import StageHooks, with_no_sync
+from replicator.pipeline.hooks import StageHooks, around_training_step, with_no_sync
 from replicator.pipeline.links import StageLinks, delivered_counts, settle_delivered
 from replicator.pipeline.microbatch import gather, microbatch_sizes, scatter, shared_batch_size, unshared
-from replicator.pipeline.outcome import replicas_failed
 from replicator.pipeline.recompute import resolve_recompute, run_forward, should_recompute
-from replicator.pipeline.schedule import Action, Op, Schedule, check_schedule, forward_only, make_schedule
+from replicator.pipeline.schedule import (
+    Action,
+    Op,
+    Schedule,
+    check_schedule,
+    endpoint,
+    forward_only,
+    forward_only_ring,
+    make_schedule,
+)
+from replicator.pipeline.split_backward import backward_input
 from replicator.pipeline.step import PipelineError, StepState, checked_normalizer
-from replicator.pipeline.timeline import Event, Timeline
+from replicator.pipeline.timeline import Event, Timeline, gather_events
 
-__all__ = ["PipelineStage", "PipelineError"]
+__all__ = ["PipelineStage", "PipelineError", "StageChunks"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class StageChunks(nn.Module):
+    """A stage's V model chunks (virtual stages), its layers under their names in the whole model.
+
+    Holds them for state_dict and optimizers; not callable, since a stage's chunks are not
+    consecutive in the model: each runs on its own (`PipelineStage.chunk_modules`).
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.chunks = list(chunks)  # a plain list: the layers are registered once, below, by their names
+        for chunk in self.chunks:
+            for name, layer in chunk.named_children():
+                self.add_module(name, layer)
+
+    def forward(self, *args: Any) -> Any:
+        raise TypeError("a stage's chunks are not consecutive layers; call chunk_modules[v] for chunk v")
 
 
 class PipelineStage:
@@ -33,9 +60,15 @@ class PipelineStage:
 
     Every stage calls `train_step` (or `eval_step`) with the same arguments; the first stage
     uses the inputs, the last the targets and the loss function. The stage walks its list
-    of actions from the schedule: forwards and backwards of micro-batches, and the sends
-    and receives that link it to its neighbours (p2p.Link). Sends are started without
-    waiting and completed at the end of the step; receives wait.
+    of actions from the schedule: forwards and backwards (whole, or split into input and
+    weight gradients) of micro-batches, and the sends and receives that link it to its
+    neighbours (p2p.Link). Sends are started without waiting and completed once the
+    schedule proves them delivered, or at the end of the step; receives wait.
+
+    A stage may hold V model chunks (virtual stages, for interleaved and zero-bubble
+    schedules): pass `StageChunks`, chunk v being piece v * K + stage_id of the model, and
+    activations travel round a ring of stages. With one chunk (any other module) piece
+    and stage coincide.
 
     Failures never leave a neighbour waiting: a stage whose forward, backward, loss or
     input fails keeps walking its schedule without computing, each send becoming an
@@ -46,13 +79,14 @@ class PipelineStage:
 
     Args:
         module: this stage's layers (called as `module(x)`, where x is a tensor or a
-            tuple/list/dict of tensors exactly as the previous stage returned it).
+            tuple/list/dict of tensors exactly as the previous stage returned it), or
+            StageChunks of its V chunks.
         stage_id: this stage's index, 0 ... num_stages - 1.
         num_stages: K.
         stage_ranks: the global ranks of the K stages of this replica (ProcessGroups.stage_ranks).
         group: a process group holding those ranks (ProcessGroups.stage); None when K == 1.
         chunks: M, the number of micro-batches per mini-batch.
-        schedule: "gpipe", "1f1b" or a Schedule for (K, M).
+        schedule: "gpipe", "1f1b", "interleaved", "zero_bubble" or a Schedule for (K, M, V).
         recompute: "always", "except_last" or "never" (activation recomputation, see recompute.py).
         device: where the stage computes and receives; default: where its parameters are.
         replica: the replica this stage belongs to (labels the timeline only).
@@ -88,12 +122,15 @@ class PipelineStage:
         if chunks < 1:
             raise ValueError(f"chunks (micro-batches per mini-batch) must be at least 1, got {chunks}")
         self.module = module
+        self.chunk_modules: list[nn.Module] = module.chunks if isinstance(module, StageChunks) else [module]
+        self.virtual_stages = V = len(self.chunk_modules)
         self.stage_id = stage_id
         self.num_stages = num_stages
         self.chunks = chunks
         self.recompute = resolve_recompute(recompute, checkpoint)
-        self.schedule = _training_schedule(schedule, num_stages, chunks)
-        self._forward_schedule = forward_only(num_stages, chunks)
+        self.schedule = _training_schedule(schedule, num_stages, chunks, V)
+        self._forward_schedule = (forward_only(num_stages, chunks) if V == 1
+                                  else forward_only_ring(num_stages, chunks, V))
         if device is None:
             first = next(iter(module.parameters()), None)
             device = first.device if first is not None else torch.device("cpu")
@@ -120,13 +157,12 @@ class PipelineStage:
         self.replica = replica
         self.timeline = Timeline(stage_id, replica, enabled=record)
         self.hooks = with_no_sync(hooks, no_sync)
-        backwards = [a.microbatch for a in self.schedule.stages[stage_id] if a.op is Op.BACKWARD]
-        self._last_backward = backwards[-1]
+        actions = self.schedule.stages[stage_id]
+        # The last pass that accumulates weight gradients: the gradient synchronizer averages after it.
+        self._last_update = max(n for n, a in enumerate(actions) if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT))
         self._train_delivered = delivered_counts(self.schedule, stage_id)
         self._eval_delivered = delivered_counts(self._forward_schedule, stage_id)
-        gradient_sends = [a for a in self.schedule.stages[stage_id] if a.op is Op.SEND_GRADIENT]
-        self._last_gradient_send = gradient_sends[-1] if gradient_sends else None
-        self.links = StageLinks.connect(stage_id, num_stages, self.stage_ranks, group, self.device)
+        self.links = StageLinks.connect(stage_id, num_stages, self.stage_ranks, group, self.device, ring=V > 1)
 
     # -- identity ----------------------------------------------------------------------
     @property
@@ -135,6 +171,7 @@ class PipelineStage:
 
     @property
     def is_last(self) -> bool:
+        """Whether this stage holds the model's last piece, which computes the loss."""
         return self.stage_id == self.num_stages - 1
 
     @property
@@ -143,7 +180,7 @@ class PipelineStage:
         return self.links.message_count
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """This stage's parameters (give them to this stage's optimizer); an empty placeholder if it has none."""
+        """This stage's parameters, of all its chunks (give them to this stage's optimizer); a placeholder if none."""
         if self._placeholder is not None:
             return iter([self._placeholder])
         return self.module.parameters(recurse)
@@ -162,6 +199,13 @@ class PipelineStage:
         rank = dist.get_rank() if dist.is_initialized() else 0
         return f"stage {self.stage_id} of {self.num_stages} (rank {rank})"
 
+    def _slot(self, action: Action) -> int:
+        """Where a step keeps a micro-batch's tensors: one slot per chunk and micro-batch."""
+        return action.chunk * self.chunks + action.microbatch
+
+    def _holds_last_piece(self, chunk: int) -> bool:
+        return self.schedule.piece(self.stage_id, chunk) == self.schedule.num_pieces - 1
+
     # -- steps -------------------------------------------------------------------------
     def train_step(self, inputs: Any = None, targets: Any = None, loss_fn: LossFn | None = None, *,
                    reduction: str = "mean", normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
@@ -178,32 +222,15 @@ class PipelineStage:
         `ctx.all_mean(count)`). Gradients accumulate into `.grad` as loss.backward() would:
         zero them between steps. Returns a detached float32 scalar on this stage's device.
 
-        Around the step, the hooks: the gradient averaging is held for the whole step; then
-        every process of the job learns how every step went. After a success everywhere the
-        held averaging is released; after a failure anywhere every replica drops it and
-        raises the same PipelineError, so the replicas stay identical.
+        Around the step, the hooks (hooks.around_training_step): after a failure on any
+        replica every replica drops the step's gradient averaging and raises the same
+        PipelineError, so the replicas stay identical.
         """
-        hooks = self.hooks
-        failure: PipelineError | None = None
-        with hooks.hold_gradients() if hooks.hold_gradients is not None else contextlib.nullcontext():
-            try:
-                loss = self._run_training_step(inputs, targets, loss_fn, reduction, normalizer)
-            except PipelineError as error:
-                failure = error
-        if hooks.agree_on_outcome is not None:
-            outcomes = hooks.agree_on_outcome(None if failure is None else failure.reason)
-            if outcomes:
-                if hooks.abandon_gradients is not None:
-                    hooks.abandon_gradients()
-                raise replicas_failed(failure, list(outcomes)) from failure
-        if failure is not None:
-            raise failure
-        if hooks.release_gradients is not None:
-            hooks.release_gradients()
-        return loss
+        return around_training_step(
+            self.hooks, lambda: self._run_training_step(inputs, targets, loss_fn, reduction, normalizer))
 
     def _run_training_step(self, inputs: Any, targets: Any, loss_fn: LossFn | None, reduction: str,
-                           normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
+                           normalizer: float | torch.Tensor | None) -> torch.Tensor:
         step = self._begin(training=True)
         with torch.enable_grad():
             if reduction not in ("mean", "sum"):
@@ -217,9 +244,9 @@ class PipelineStage:
                 except ValueError as error:
                     step.fail(error, self._where())
             self._start(step, inputs, targets)
-            for action, delivered in zip(self.schedule.stages[self.stage_id], self._train_delivered):
-                with self.timeline.record(action.op.value, action.microbatch):
-                    self._act(action, step, targets, loss_fn, reduction, delivered)
+            for n, (action, delivered) in enumerate(zip(self.schedule.stages[self.stage_id], self._train_delivered)):
+                with self.timeline.record(action.op.value, action.microbatch, action.chunk):
+                    self._act(n, action, step, targets, loss_fn, reduction, delivered)
         end_training_step(step, self.links, self.module, self._where())
         return self._step_loss(step).to(torch.float32)
 
@@ -233,12 +260,14 @@ class PipelineStage:
         result: Any = None
         with torch.no_grad():
             self._start(step, inputs, None)
-            for action, delivered in zip(self._forward_schedule.stages[self.stage_id], self._eval_delivered):
-                with self.timeline.record(action.op.value, action.microbatch):
-                    self._act(action, step, None, None, "mean", delivered)
+            for n, (action, delivered) in enumerate(zip(self._forward_schedule.stages[self.stage_id],
+                                                        self._eval_delivered)):
+                with self.timeline.record(action.op.value, action.microbatch, action.chunk):
+                    self._act(n, action, step, None, None, "mean", delivered)
             if self.is_last and step.ok:
+                last = (self.virtual_stages - 1) * self.chunks
                 try:
-                    result = gather([step.outputs.pop(i) for i in range(self.chunks)])
+                    result = gather([step.outputs.pop(last + i) for i in range(self.chunks)])
                 except Exception as error:
                     step.fail(error, self._where())
         end_evaluation_step(step, self.links, self.module, self._where(), stage_id=self.stage_id,
@@ -248,25 +277,7 @@ class PipelineStage:
 
     def gather_timeline(self) -> list[Event]:
         """Every stage's events of the last step, on every stage (collective over the stage group)."""
-        if self.group is None or self.num_stages == 1:
-            return list(self.timeline.events)
-        # Numbers in a tensor, not all_gather_object: that would unpickle whatever the peers send.
-        ops = [op.value for op in Op]
-        rows = [[e.stage, ops.index(e.op), e.microbatch, e.start, e.end, e.replica] for e in self.timeline.events]
-        mine = torch.tensor(rows, dtype=torch.float64).reshape(-1, 6).to(self.device)
-        counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.num_stages)]
-        dist.all_gather(counts, torch.tensor([len(rows)], device=self.device), group=self.group)
-        sizes = [int(c.item()) for c in counts]
-        if not max(sizes):
-            return []
-        padded = torch.zeros(max(sizes), 6, dtype=torch.float64, device=self.device)
-        padded[: len(rows)] = mine
-        gathered = [torch.empty_like(padded) for _ in range(self.num_stages)]
-        dist.all_gather(gathered, padded, group=self.group)
-        return [
-            Event(int(r[0]), ops[int(r[1])], int(r[2]), float(r[3]), float(r[4]), int(r[5]))
-            for tensor, size in zip(gathered, sizes) for r in tensor[:size].cpu().tolist()
-        ]
+        return gather_events(self.timeline.events, self.group, self.num_stages, self.device)
 
     # -- the schedule's actions --------------------------------------------------------
     def _begin(self, training: bool) -> StepState:
@@ -304,145 +315,140 @@ class PipelineStage:
             )
         step.targets = [to_device(t, self.device) for t in scatter(targets, self.chunks)]
 
-    def _act(self, action: Action, step: StepState, targets: Any, loss_fn: LossFn | None, reduction: str,
+    def _act(self, n: int, action: Action, step: StepState, targets: Any, loss_fn: LossFn | None, reduction: str,
              delivered: int) -> None:
-        op, i = action.op, action.microbatch
-        links = self.links
-        if op is Op.FORWARD or op is Op.BACKWARD:
+        op, i, slot = action.op, action.microbatch, self._slot(action)
+        if op.is_compute:
             if step.ok:
                 try:
                     if op is Op.FORWARD:
-                        self._forward(i, step, loss_fn, reduction)
+                        self._forward(action, step, loss_fn, reduction)
                     else:
-                        self._backward(i, step)
+                        no_sync = self.hooks.no_sync
+                        with no_sync() if no_sync is not None and n != self._last_update else contextlib.nullcontext():
+                            self._backward(action, step)
                 except Exception as error:
                     step.fail(error, self._where())
-        elif op is Op.SEND_ACTIVATION:
-            assert links.to_next is not None
-            self._send(links.to_next, ("activation", step.training, i), i, step, step.outputs.pop(i, None),
-                       keep=step.training)
+            return
+        peer, there = endpoint(self.schedule if step.training else self._forward_schedule, self.stage_id, action)
+        if op is Op.SEND_ACTIVATION:
+            self._send(self.links.to_stage[peer], ("activation", step.training, there.chunk, i), i, step,
+                       step.outputs.pop(slot, None), keep_at=slot if step.training else None)
         elif op is Op.SEND_GRADIENT:
-            loss = None
-            if action == self._last_gradient_send:  # every micro-batch's loss is in by now: pass it on
-                loss = self._known_loss(step)
-            assert links.to_previous is not None
-            self._send(links.to_previous, ("gradient", i), i, step, step.grads_out.pop(i, None), keep=False, loss=loss)
-        elif op is Op.RECV_ACTIVATION:
-            assert links.from_previous is not None
-            message = links.from_previous.recv(("activation", step.training, i))
-            settle_delivered(links.to_previous, step.sent_before, delivered)
+            self._send(self.links.to_stage[peer], ("gradient", there.chunk, i), i, step, step.grads_out.pop(slot, None),
+                       loss=self._known_loss(step))
+        else:
+            gradient = op is Op.RECV_GRADIENT
+            key = ("gradient", action.chunk, i) if gradient else ("activation", step.training, action.chunk, i)
+            message = self.links.from_stage[peer].recv(key)
+            settle_delivered(self.links.to_stage.get(peer), step.sent_before, delivered)
             if message.is_abort:
                 step.fail(message.error or "", self._where())
-            elif step.ok:
+                return
+            if gradient and message.loss is not None:
+                step.loss_relayed = message.loss
+            if step.ok:
                 try:
-                    self._accept_input(i, message, step, targets)
+                    if gradient:
+                        step.grads_in[slot] = message.value
+                    else:
+                        self._accept_input(action, message, step, targets)
                 except Exception as error:
                     step.fail(error, self._where())
-        else:  # RECV_GRADIENT
-            assert links.from_next is not None
-            message = links.from_next.recv(("gradient", i))
-            settle_delivered(links.to_next, step.sent_before, delivered)
-            if message.is_abort:
-                step.fail(message.error or "", self._where())
-            else:
-                if message.loss is not None:
-                    step.loss_relayed = message.loss
-                if step.ok:
-                    step.grads_in[i] = message.value
 
-    def _send(self, link: p2p.Link, key: Hashable, i: int, step: StepState, value: Any, keep: bool,
+    def _send(self, link: p2p.Link, key: Hashable, i: int, step: StepState, value: Any, keep_at: int | None = None,
               loss: float | None = None) -> None:
         if step.ok:
-            if keep:
-                step.outputs[i] = value  # the graph stays for backward; only the packed bytes travel
+            if keep_at is not None:
+                step.outputs[keep_at] = value  # the graph stays for backward; only the packed bytes travel
             link.send(key, value, microbatch=i, microbatch_size=step.sizes.get(i, 0), batch_size=step.batch_size,
                       allow_none=True, loss=loss)
         else:
             link.send_abort(key, step.failure or "", microbatch=i)
 
     def _known_loss(self, step: StepState) -> float | None:
+        """The mini-batch loss once complete (every micro-batch's loss summed), else None."""
         if not step.ok:
             return None
         if self.is_last:
-            return None if step.loss_total is None else float(step.loss_total)
+            complete = step.loss_total is not None and step.losses_counted == self.chunks
+            return float(step.loss_total) if complete and step.loss_total is not None else None
         return step.loss_relayed
 
-    def _accept_input(self, i: int, message: p2p.Message, step: StepState, targets: Any) -> None:
-        if message.microbatch != i:
-            raise RuntimeError(f"expected micro-batch {i} from the previous stage but received {message.microbatch}: "
-                               "the stages run different schedules or chunks")
-        step.inputs[i] = message.value
-        step.sizes[i] = message.microbatch_size
+    def _accept_input(self, action: Action, message: p2p.Message, step: StepState, targets: Any) -> None:
+        if message.microbatch != action.microbatch:
+            raise RuntimeError(f"expected micro-batch {action.microbatch} from the previous stage but received "
+                               f"{message.microbatch}: the stages run different schedules or chunks")
+        step.inputs[self._slot(action)] = message.value
+        step.sizes[action.microbatch] = message.microbatch_size
         if step.batch_size == 0:
             step.batch_size = message.batch_size
             if self.is_last and step.training:
                 self._split_targets(step, targets)
 
-    def _forward(self, i: int, step: StepState, loss_fn: LossFn | None, reduction: str) -> None:
-        x = step.inputs[i] if step.training else step.inputs.pop(i)
+    def _forward(self, action: Action, step: StepState, loss_fn: LossFn | None, reduction: str) -> None:
+        slot, i, c = self._slot(action), action.microbatch, action.chunk
+        x = step.inputs[slot] if step.training else step.inputs.pop(slot)
         recompute = step.training and should_recompute(self.recompute, i, self.chunks)
-        output = run_forward(self.module, x, recompute)
-        if not self.is_last:
-            p2p.encode_structure(output, path=f"the output of stage {self.stage_id} (micro-batch {i})")
-            step.outputs[i] = output
+        output = run_forward(self.chunk_modules[c], x, recompute)
+        if not self._holds_last_piece(c):
+            piece = self.schedule.piece(self.stage_id, c)
+            where = f"stage {self.stage_id}" if self.virtual_stages == 1 else f"piece {piece}"
+            p2p.encode_structure(output, path=f"the output of {where} (micro-batch {i})")
+            step.outputs[slot] = output
         elif not step.training:
-            step.outputs[i] = output
+            step.outputs[slot] = output
         else:
             assert loss_fn is not None and step.targets is not None
-            loss = loss_fn(output, step.targets[i])
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-                if isinstance(loss, torch.Tensor):
-                    shown = f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
-                else:
-                    shown = f"a {type(loss).__name__}"
-                raise ValueError(
-                    f"loss_fn must return a scalar floating-point tensor (reduce it, e.g. with .mean()), but for "
-                    f"micro-batch {i} it returned {shown}"
-                )
-            weight = step.loss_weight(i, reduction)
-            step.losses[i] = loss.reshape(()) * weight
-            contribution = loss.detach().reshape(()).to(torch.float64) * weight
-            step.loss_total = contribution if step.loss_total is None else step.loss_total + contribution
+            step.add_loss(slot, i, loss_fn(output, step.targets[i]), reduction)
 
-    def _backward(self, i: int, step: StepState) -> None:
-        no_sync = self.hooks.no_sync
-        quiet = no_sync is not None and i != self._last_backward
-        with no_sync() if no_sync is not None and quiet else contextlib.nullcontext():
-            if self.is_last:
-                step.losses.pop(i).backward()
-            else:
-                output = step.outputs.pop(i)
-                grads = step.grads_in.pop(i)
-                # The tensors in the order the wire carried them, which is the order of the gradients back.
-                _, sent = p2p.encode_structure(output)
-                outputs = [t for t in sent if t.requires_grad]
-                if len(grads) != len(outputs):
-                    raise RuntimeError(f"received {len(grads)} gradients for {len(outputs)} outputs of micro-batch {i}")
-                pairs = [(t, g) for t, g in zip(outputs, grads) if g is not None]
-                if pairs:
-                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        x = step.inputs.pop(i)
-        if not self.is_first:
-            step.grads_out[i] = tuple(t.grad for t in tensors(x) if t.requires_grad)
+    def _backward(self, action: Action, step: StepState) -> None:
+        """A whole backward, an input-gradient pass (its weight pass kept for later), or that weight pass."""
+        slot = self._slot(action)
+        if action.op is Op.BACKWARD_WEIGHT:
+            step.weight_passes.pop(slot).run()
+            return
+        if self._holds_last_piece(action.chunk):
+            outputs, grads = [step.losses.pop(slot)], None
+        else:
+            output, received = step.outputs.pop(slot), step.grads_in.pop(slot)
+            _, sent = p2p.encode_structure(output)  # the order the wire carried them, the order of the gradients
+            needing = [t for t in sent if t.requires_grad]
+            if len(received) != len(needing):
+                raise RuntimeError(f"received {len(received)} gradients for {len(needing)} outputs of micro-batch "
+                                   f"{action.microbatch}")
+            pairs = [(t, g) for t, g in zip(needing, received) if g is not None]
+            outputs, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        x = step.inputs.pop(slot)
+        wanted = [t for t in tensors(x) if t.requires_grad]
+        if action.op is Op.BACKWARD:
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+            found = [t.grad for t in wanted]
+        else:
+            params = list(self.chunk_modules[action.chunk].parameters())
+            found, step.weight_passes[slot] = backward_input(outputs, grads, wanted, params)
+        if self.schedule.piece(self.stage_id, action.chunk) > 0:
+            step.grads_out[slot] = tuple(found)
 
     def _step_loss(self, step: StepState) -> torch.Tensor:
         """The mini-batch loss of a successful training step: summed here on the last stage, relayed elsewhere."""
         if self.is_last:
             assert step.loss_total is not None
             return step.loss_total
-        assert step.loss_relayed is not None, "the next stage's last gradient message carried no loss"
+        assert step.loss_relayed is not None, "no gradient message carried the loss"
         return torch.tensor(step.loss_relayed, dtype=torch.float64, device=self.device)
 
 
-def _training_schedule(schedule: str | Schedule, num_stages: int, chunks: int) -> Schedule:
-    """`schedule` by name, or checked to fit (num_stages, chunks) and to train."""
+def _training_schedule(schedule: str | Schedule, num_stages: int, chunks: int, virtual_stages: int) -> Schedule:
+    """`schedule` by name, or checked to fit (num_stages, chunks, virtual_stages) and to train."""
     if not isinstance(schedule, Schedule):
-        return make_schedule(schedule, num_stages, chunks)
-    if (schedule.num_stages, schedule.num_microbatches) != (num_stages, chunks):
-        raise ValueError(
-            f"the schedule is for {schedule.num_stages} stages x {schedule.num_microbatches} micro-batches, "
-            f"but this pipeline has {num_stages} stages x {chunks} chunks"
-        )
+        return make_schedule(schedule, num_stages, chunks, virtual_stages)
+    shape = (schedule.num_stages, schedule.num_microbatches, schedule.virtual_stages)
+    if shape != (num_stages, chunks, virtual_stages):
+        raise ValueError(f"the schedule is for {shape[0]} stages x {shape[1]} micro-batches x {shape[2]} model "
+                         f"chunks, but this pipeline has {num_stages} stages x {chunks} chunks x {virtual_stages} "
+                         "model chunks")
     if not schedule.training:
         raise ValueError("a training schedule needs backward actions; this one only runs forwards")
     check_schedule(schedule)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from replicator.errors import ReplicatorError
+from replicator.pipeline.split_backward import WeightGradient
 
 __all__ = ["PipelineError", "StepState", "checked_normalizer"]
 
@@ -25,7 +26,7 @@ class PipelineError(ReplicatorError):
 
 @dataclass
 class StepState:
-    """What one train or eval step on one stage holds between its actions, by micro-batch."""
+    """What one train or eval step on one stage holds between its actions, by slot (chunk x M + micro-batch)."""
 
     training: bool
     failure: str | None = None  # what went wrong, as every stage will report it
@@ -41,6 +42,8 @@ class StepState:
     grads_out: dict[int, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     targets: list[Any] | None = None
     normalizer: float | None = None  # reduction="sum": what the summed loss is divided by
+    losses_counted: int = 0  # micro-batch losses in loss_total so far
+    weight_passes: dict[int, WeightGradient] = field(default_factory=dict)  # split backwards' deferred halves
     sent_before: dict[int, int] = field(default_factory=dict)  # transfers each neighbour had been sent before
 
     @property
@@ -64,8 +67,25 @@ class StepState:
             return self.sizes[i] / self.batch_size  # a mean over samples: the micro-batch's share of them
         return 1.0 if self.normalizer is None else 1.0 / self.normalizer
 
+    def add_loss(self, slot: int, i: int, loss: Any, reduction: str) -> None:
+        """Keep micro-batch i's loss for its backward, weighted so that the step's loss is the unsplit batch's."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            if isinstance(loss, torch.Tensor):
+                shown = f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+            else:
+                shown = f"a {type(loss).__name__}"
+            raise ValueError(
+                f"loss_fn must return a scalar floating-point tensor (reduce it, e.g. with .mean()), but for "
+                f"micro-batch {i} it returned {shown}"
+            )
+        weight = self.loss_weight(i, reduction)
+        self.losses[slot] = loss.reshape(()) * weight
+        contribution = loss.detach().reshape(()).to(torch.float64) * weight
+        self.loss_total = contribution if self.loss_total is None else self.loss_total + contribution
+        self.losses_counted += 1
+
     def drop_state(self) -> None:
-        for store in (self.inputs, self.outputs, self.losses, self.grads_in, self.grads_out):
+        for store in (self.inputs, self.outputs, self.losses, self.grads_in, self.grads_out, self.weight_passes):
             store.clear()
 
 

@@ -14,11 +14,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from replicator.pipeline.bubble import idle_share
 from replicator.pipeline.schedule import Op, Schedule, TimedAction, timed_simulation
 
-__all__ = ["Event", "Timeline", "events_from_simulation", "chrome_trace", "write_chrome_trace", "plot_gantt",
-           "measured_bubble"]
+__all__ = ["Event", "Timeline", "gather_events", "events_from_simulation", "chrome_trace", "write_chrome_trace",
+           "plot_gantt", "measured_bubble"]
 
 _LABEL = {
     Op.FORWARD.value: "F",
@@ -84,6 +87,28 @@ class Timeline:
 
     def clear(self) -> None:
         self.events.clear()
+
+
+def gather_events(events: Sequence[Event], group: dist.ProcessGroup | None, num_stages: int,
+                  device: torch.device) -> list[Event]:
+    """Every stage's `events`, on every stage (a collective over the stage group of `num_stages` processes)."""
+    if group is None or num_stages == 1:
+        return list(events)
+    # Numbers in a tensor, not all_gather_object: that would unpickle whatever the peers send.
+    ops = [op.value for op in Op]
+    rows = [[e.stage, ops.index(e.op), e.microbatch, e.start, e.end, e.replica, e.chunk] for e in events]
+    mine = torch.tensor(rows, dtype=torch.float64).reshape(-1, 7).to(device)
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(num_stages)]
+    dist.all_gather(counts, torch.tensor([len(rows)], device=device), group=group)
+    sizes = [int(c.item()) for c in counts]
+    if not max(sizes):
+        return []
+    padded = torch.zeros(max(sizes), 7, dtype=torch.float64, device=device)
+    padded[: len(rows)] = mine
+    gathered = [torch.empty_like(padded) for _ in range(num_stages)]
+    dist.all_gather(gathered, padded, group=group)
+    return [Event(int(r[0]), ops[int(r[1])], int(r[2]), float(r[3]), float(r[4]), int(r[5]), int(r[6]))
+            for tensor, size in zip(gathered, sizes) for r in tensor[:size].cpu().tolist()]
 
 
 def events_from_simulation(placed: Sequence[TimedAction] | Schedule, forward_time: float = 1.0,

@@ -22,6 +22,9 @@ from replicator.testing import run_replicas
 
 STEPS = 3
 ATOL = 1e-5
+# The schedules that run on virtual stages or split backwards, each checked in the same jobs:
+# (schedule, virtual stages). With V = 2 the two stages hold four pieces, one layer each.
+OTHER_SCHEDULES = [("interleaved", 2), ("zero_bubble", 1)]
 
 
 # -- layers of the scenarios ---------------------------------------------------------------
@@ -157,22 +160,28 @@ def train_like_one_process(repl: rp.Replicator, layers: Any, balance: Any,
 
 def dropout_masks(repl: rp.Replicator) -> torch.Tensor | None:
     """Which of 1024 ones survive two p = 0.5 dropouts, one per stage (the last stage's view)."""
+    # With virtual stages, pieces 0 and 1 (stages 0 and 1) drop; the second chunks pass through.
+    layers = [nn.Dropout(0.5), nn.Dropout(0.5)] + [nn.Identity(), nn.Identity()] * (repl.virtual_stages - 1)
     with repl.scope():
         torch.manual_seed(0)  # the same seed on every process, as the docs say
-        pipe = repl.pipeline([nn.Dropout(0.5), nn.Dropout(0.5)], balance=[1, 1])
+        pipe = repl.pipeline(layers, balance=[1] * len(layers))
     output = pipe.train().eval_step(torch.ones(16, 64))
     return None if output is None else output != 0
 
 
-def recompute_replays_masks(chunks: int) -> float:
-    """Dropout between layers: re-materializing every micro-batch trains exactly as keeping the activations."""
+def recompute_replays_masks(chunks: int, schedule: str = "gpipe", virtual_stages: int = 1) -> float:
+    """Dropout between layers: re-materializing every micro-batch trains exactly as keeping the activations.
+
+    A split backward (zero bubble) re-materializes twice, once per pass: both replay the forward's masks.
+    """
     params = []
     for recompute in ("always", "never"):
-        repl = rp.Replicator(stages=2, chunks=chunks, recompute=recompute)
+        repl = rp.Replicator(stages=2, chunks=chunks, recompute=recompute, schedule=schedule,
+                             virtual_stages=virtual_stages)
         with repl.scope():
             torch.manual_seed(0)
             pipe = repl.pipeline([nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 16), nn.Dropout(0.5),
-                                  nn.Linear(16, 3)], balance=[2, 3])
+                                  nn.Linear(16, 3)], balance=[2, 3] if virtual_stages == 1 else [1, 1, 1, 2])
             optimizer = repl.wrap_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.5))
         for step in range(STEPS):
             optimizer.zero_grad()
@@ -202,9 +211,9 @@ def shared_across_stages(repl: rp.Replicator) -> str:
     return "no error"
 
 
-def dropout_checks(repl: rp.Replicator) -> dict[str, Any]:
+def dropout_checks(repl: rp.Replicator, replay_schedule: str = "gpipe") -> dict[str, Any]:
     masks, again = dropout_masks(repl), dropout_masks(repl)  # every stage takes part; the last one sees the output
-    replayed = recompute_replays_masks(chunks=4)
+    replayed = recompute_replays_masks(4, replay_schedule, repl.virtual_stages)
     if masks is None or again is None:
         return {"recompute_replays_masks": replayed}
     return {"survivors": float(masks.float().mean()), "reproducible": torch.equal(masks, again),
@@ -227,6 +236,8 @@ def two_stage_worker() -> dict[str, Any]:
         "dropout": lambda: dropout_checks(repl),
         "profiling_keeps_gradients": lambda: profiling_keeps_gradients(repl),
     }
+    for schedule, virtual_stages in OTHER_SCHEDULES:
+        checks.update(other_schedule_checks(schedule, virtual_stages, batches, padded))
     results: dict[str, Any] = {"stage": repl.stage_id}
     for name, check in checks.items():
         try:
@@ -236,10 +247,26 @@ def two_stage_worker() -> dict[str, Any]:
     return results
 
 
-def padding_check(repl: rp.Replicator, padded: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+def other_schedule_checks(schedule: str, virtual_stages: int, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                          padded: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Callable[[], Any]]:
+    """Items 1, 3, 5 and 8 of the exactness checks under `schedule`, named "<check> <schedule>"."""
+    repl = rp.Replicator(stages=2, chunks=4, schedule=schedule, virtual_stages=virtual_stages)
+    halves = [2, 2] if virtual_stages == 1 else [1, 1, 1, 1]  # every model here has four layers
+    return {
+        f"inplace_mask {schedule}": lambda: train_like_one_process(repl, mask_layers, halves, batches),
+        f"no_parameters {schedule}": lambda: train_like_one_process(
+            repl, parameterless_last_stage, [3, 1] if virtual_stages == 1 else halves, batches, loss_fn=F.nll_loss,
+            clip=0.05),
+        f"padding {schedule}": lambda: padding_check(repl, padded, halves),
+        f"dropout {schedule}": lambda: dropout_checks(repl, schedule),
+    }
+
+
+def padding_check(repl: rp.Replicator, padded: list[tuple[torch.Tensor, torch.Tensor]],
+                  balance: list[int] | None = None) -> dict[str, Any]:
     """Token-mean cross-entropy over padded sequences: sum per micro-batch, divide by the batch's real tokens."""
     with repl.scope():
-        pipe = repl.pipeline(token_layers(), balance=[2, 2])
+        pipe = repl.pipeline(token_layers(), balance=balance or [2, 2])
         optimizer = repl.wrap_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
     losses = []
     for tokens, targets in padded:
@@ -273,11 +300,22 @@ def _exact(results: list[dict[str, Any]], key: str) -> None:
         assert max(v for k, v in diffs.items() if k.endswith("diff")) < ATOL, (result["stage"], diffs)
 
 
+OTHER_NAMES = [name for name, _ in OTHER_SCHEDULES]
+
+
 def test_an_in_place_change_of_an_input_without_gradient_is_not_recomputed_twice(
         two_stages: list[dict[str, Any]]) -> None:
     # torchgpipe's test_inplace_incorrect_grad (a strict xfail there): stage 1 adds 1 to an
     # input that wants no gradient; recomputation added it again, training on `bar + 2`.
     _exact(two_stages, "inplace_mask")
+
+
+@pytest.mark.parametrize("schedule", OTHER_NAMES)
+def test_virtual_and_split_schedules_recompute_in_place_changes_once(two_stages: list[dict[str, Any]],
+                                                                     schedule: str) -> None:
+    # The same scenario through interleaved chunks (piece 2 on stage 0 changes the mask in place)
+    # and zero bubble, whose split backward re-materializes once per pass.
+    _exact(two_stages, f"inplace_mask {schedule}")
 
 
 def test_the_first_stage_may_change_its_micro_batch_in_place(two_stages: list[dict[str, Any]]) -> None:
@@ -297,22 +335,29 @@ def test_clipping_uses_the_whole_models_norm(two_stages: list[dict[str, Any]]) -
     assert all(r["clip"]["norm_diff"] < ATOL for r in two_stages)
 
 
-def test_a_stage_without_parameters_follows_the_recipe(two_stages: list[dict[str, Any]]) -> None:
-    _exact(two_stages, "no_parameters")
+@pytest.mark.parametrize("schedule", [*OTHER_NAMES, ""])
+def test_a_stage_without_parameters_follows_the_recipe(two_stages: list[dict[str, Any]], schedule: str) -> None:
+    _exact(two_stages, f"no_parameters {schedule}".strip())  # interleaved: stage 1 holds Tanh and LogSoftmax
 
 
-def test_token_mean_losses_over_padding_match_the_unsplit_batch(two_stages: list[dict[str, Any]]) -> None:
-    _exact(two_stages, "padding")
+@pytest.mark.parametrize("schedule", [*OTHER_NAMES, ""])
+def test_token_mean_losses_over_padding_match_the_unsplit_batch(two_stages: list[dict[str, Any]],
+                                                                schedule: str) -> None:
+    key = f"padding {schedule}".strip()
+    _exact(two_stages, key)
     for result in two_stages:
-        assert 'pass reduction="sum"' in result["padding"]["misuse"], result["padding"]["misuse"]
+        assert 'pass reduction="sum"' in result[key]["misuse"], result[key]["misuse"]
 
 
-def test_stages_draw_independent_reproducible_dropout_masks(two_stages: list[dict[str, Any]]) -> None:
-    last = two_stages[-1]["dropout"]
+@pytest.mark.parametrize("schedule", [*OTHER_NAMES, ""])
+def test_stages_draw_independent_reproducible_dropout_masks(two_stages: list[dict[str, Any]], schedule: str) -> None:
+    key = f"dropout {schedule}".strip()
+    last = two_stages[-1][key]
+    assert isinstance(last, dict), last
     # Two independent p = 0.5 dropouts keep a quarter (one shared stream: a half); 1024 draws.
     assert 0.2 < last["survivors"] < 0.3, last
     assert last["reproducible"] is True
-    assert all(r["dropout"]["recompute_replays_masks"] < ATOL for r in two_stages)
+    assert all(r[key]["recompute_replays_masks"] < ATOL for r in two_stages)
 
 
 def test_timed_balance_leaves_gradients_as_they_were(two_stages: list[dict[str, Any]]) -> None:
@@ -329,10 +374,10 @@ def per_sample_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 FAILING_REPLICAS = [{1}, {0, 1}, set(), set()]  # per step: the replicas whose loss_fn is wrong
 
 
-def replicated_worker() -> dict[str, Any]:
-    repl = rp.Replicator(stages=2, chunks=2)
+def train_through_failures(repl: rp.Replicator, balance: list[int]) -> dict[str, Any]:
+    """FAILING_REPLICAS' steps, logging failures and going on; the result against one process's training."""
     with repl.scope():
-        pipe = repl.pipeline(mlp_layers(), balance=[2, 3])
+        pipe = repl.pipeline(mlp_layers(), balance=balance)
         optimizer = repl.wrap_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
     mine = slice(8 * repl.replica_id, 8 * (repl.replica_id + 1))
     errors: list[str | None] = []
@@ -346,10 +391,17 @@ def replicated_worker() -> dict[str, Any]:
         except Exception as error:  # a researcher's loop that logs the failure and goes on
             errors.append(f"{type(error).__name__}: {error}")
     state, _, _ = reference(nn.Sequential(*mlp_layers()), [batch(s) for s, f in enumerate(FAILING_REPLICAS) if not f])
-    masks = dropout_masks(repl)
-    return {"stage": repl.stage_id, "replica": repl.replica_id, "errors": errors,
-            "param_diff": stage_difference(pipe, state), "masks": masks,
-            "no_parameters": replicated_stage_without_parameters(repl)}
+    return {"errors": errors, "param_diff": stage_difference(pipe, state)}
+
+
+def replicated_worker() -> dict[str, Any]:
+    repl = rp.Replicator(stages=2, chunks=2)
+    results = {"stage": repl.stage_id, "replica": repl.replica_id, **train_through_failures(repl, [2, 3]),
+               "masks": dropout_masks(repl), "no_parameters": replicated_stage_without_parameters(repl)}
+    for schedule, virtual_stages in OTHER_SCHEDULES:
+        other = rp.Replicator(stages=2, chunks=2, schedule=schedule, virtual_stages=virtual_stages)
+        results[schedule] = train_through_failures(other, [2, 3] if virtual_stages == 1 else [1, 1, 1, 2])
+    return results
 
 
 def replicated_stage_without_parameters(repl: rp.Replicator) -> float:
@@ -374,13 +426,16 @@ def two_by_two() -> list[dict[str, Any]]:
     return run_replicas(replicated_worker, 4, timeout_s=240, env={"REPLICATOR_TIMEOUT": "30"})
 
 
-def test_a_failure_on_one_replica_leaves_the_replicas_in_step(two_by_two: list[dict[str, Any]]) -> None:
-    for result in two_by_two:
+@pytest.mark.parametrize("schedule", ["", *OTHER_NAMES])
+def test_a_failure_on_one_replica_leaves_the_replicas_in_step(two_by_two: list[dict[str, Any]],
+                                                              schedule: str) -> None:
+    runs = [r[schedule] if schedule else r for r in two_by_two]
+    for run in runs:
         # Every process raised the same error for the failed steps and went on to train as one process would.
-        assert result["errors"][2:] == [None, None]
-        assert result["errors"][:2] == two_by_two[0]["errors"][:2]
-        assert result["param_diff"] < ATOL, result
-    mixed, alike = two_by_two[0]["errors"][:2]
+        assert run["errors"][2:] == [None, None]
+        assert run["errors"][:2] == runs[0]["errors"][:2]
+        assert run["param_diff"] < ATOL, run
+    mixed, alike = runs[0]["errors"][:2]
     assert mixed.startswith("PipelineError: pipeline step failed on replica(s) 1: stage 1 of 2 failed: ValueError: "
                             "loss_fn must return a scalar"), mixed
     assert "succeeded on replica(s) 0" in mixed and "dropped this step's gradient averaging" in mixed
