@@ -31,7 +31,7 @@ from replicator.telemetry import Progress, StepTimes, summarize_run
 
 if TYPE_CHECKING:
     from replicator.checkpoint import Restored
-    from replicator.pipeline import PipelineStage, VirtualPipelineStage
+    from replicator.pipeline import PipelineStage
 
 __all__ = ["Replicator"]
 
@@ -106,7 +106,7 @@ class Replicator:
         self.optimizers.state.configure(uneven_batches, sparse_as_dense, models.modules)
         self.guard = ReplicaGuard(job.replica_agreement, self.optimizers, self._trained_modules, models.tensor_names)
         self.last_run: dict[str, Any] = {}
-        self._stages: list[PipelineStage | VirtualPipelineStage] = []
+        self._stages: list[PipelineStage] = []
         self._input = InputPosition(self.replica_id, self.num_replicas, self.device, self.is_main, stages)
         self._restored = False
 
@@ -173,7 +173,7 @@ class Replicator:
         return self.optimizers.wrap_scheduler(scheduler)
 
     def pipeline(self, layers: Any, balance: Any = "params", *, sample: Any = None,
-                 deferred_batchnorm: bool = False) -> PipelineStage | VirtualPipelineStage:
+                 deferred_batchnorm: bool = False) -> PipelineStage:
         """This process's stage of `layers` (a list of modules or an nn.Sequential).
 
         Every process builds the whole model the same way; the stage keeps its share. Call

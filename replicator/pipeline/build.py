@@ -107,7 +107,7 @@ def build_pipeline(
     layers_of(modules)  # a clear error for a model that is not a sequence of layers, before any collective
     if not 0 <= stage_id < num_stages:
         raise ValueError(f"stage_id must be in 0..{num_stages - 1}, got {stage_id}")
-    if _needs_virtual_stage(schedule, virtual_stages):
+    if _runs_chunks(schedule, virtual_stages):
         _check_pieces(len(layers_of(modules)), num_stages, virtual_stages, balance)
         pieces = agreed_balance(modules, num_stages * virtual_stages, balance, sample=sample, device=device,
                                 group=balance_group if balance_group is not None else stage_group)
@@ -148,7 +148,7 @@ def _check_pieces(num_layers: int, num_stages: int, virtual_stages: int, balance
                          f"counts, one per piece (piece p runs on stage p % {num_stages}); got {list(balance)}")
 
 
-def _needs_virtual_stage(schedule: str | Schedule, virtual_stages: int) -> bool:
+def _runs_chunks(schedule: str | Schedule, virtual_stages: int) -> bool:
     """Whether `schedule` cuts the model into pieces per chunk: chunks per stage, or a split backward."""
     if isinstance(schedule, Schedule):
         split = {Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT}
