@@ -7,8 +7,9 @@ text, or one CRC per tensor) to name what differs, never unpickling anything fro
 
 from __future__ import annotations
 
+import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import torch
@@ -18,7 +19,7 @@ from torch.nn.parameter import is_lazy
 from replicator.comm.agreement import Agreement
 from replicator.errors import ReplicaMismatchError
 
-__all__ = ["NamedTensors", "describe", "fingerprint", "require_same_layout", "copy_from_first",
+__all__ = ["NamedTensors", "describe", "fingerprint", "Fingerprints", "require_same_layout", "copy_from_first",
            "broadcast_from_first", "require_identical"]
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
@@ -47,7 +48,32 @@ def fingerprint(tensor: torch.Tensor) -> int:
         sparse = tensor.detach().coalesce()
         return zlib.crc32(fingerprint(sparse.values()).to_bytes(4, "little"), fingerprint(sparse.indices()))
     data = tensor.detach().to("cpu").reshape(-1)  # 1-d: a 0-d tensor cannot be viewed as bytes
-    return zlib.crc32(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return zlib.crc32(data.view(torch.uint8).numpy().data if data.numel() else b"")  # the buffer, not a copy
+
+
+class Fingerprints:
+    """Fingerprints of large tensors, computed again only for those changed in place since (their version counter).
+
+    A run's end and the next run's start (or a checkpoint right after a run) then hash the
+    model once, not twice. Tensors are known by a weak reference, so a new tensor at an old
+    one's address is never mistaken for it. Writes through `.data` do not advance the version
+    counter; those go unseen until the tensor is next changed through autograd-visible ops.
+    """
+
+    _SMALL = 1 << 16  # elements: cheaper to hash again than to look up (optimizer options, step counts)
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
+
+    def __call__(self, tensor: torch.Tensor) -> int:
+        if tensor.numel() < self._SMALL:
+            return fingerprint(tensor)
+        known = self._known.get(id(tensor))
+        if known is not None and known[0]() is tensor and known[1] == tensor._version:
+            return known[2]
+        value = fingerprint(tensor)
+        self._known[id(tensor)] = (weakref.ref(tensor), tensor._version, value)
+        return value
 
 
 def _gather_text(agreement: Agreement, text: str) -> list[str]:
@@ -125,7 +151,8 @@ def broadcast_from_first(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
                 tensor.copy_(part.view_as(tensor))
 
 
-def require_identical(agreement: Agreement, named: NamedTensors, where: str, advice: str) -> None:
+def require_identical(agreement: Agreement, named: NamedTensors, where: str, advice: str,
+                      fingerprint_of: Callable[[torch.Tensor], int] = fingerprint) -> None:
     """Raise on every replica unless all replicas hold bit-identical `named` tensors, naming the first that differ.
 
     One agreement of two digests (the layout's and the values') in the common case; on a
@@ -134,7 +161,7 @@ def require_identical(agreement: Agreement, named: NamedTensors, where: str, adv
     if agreement.size == 1:
         return
     lines = _layout(named)
-    prints = [fingerprint(tensor) for _, tensor in named]
+    prints = [fingerprint_of(tensor) for _, tensor in named]
     combined = zlib.crc32(b"".join(value.to_bytes(4, "little") for value in prints))
     verdict = agreement.require_same(f"compare tensors {where}", "", [_digest(lines), combined])
     if verdict.unanimous:

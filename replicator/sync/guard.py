@@ -20,7 +20,7 @@ from torch.nn.parameter import is_lazy
 
 from replicator.comm.agreement import Agreement
 from replicator.errors import ReplicatorUsageError
-from replicator.identity import fingerprint, require_identical
+from replicator.identity import Fingerprints, fingerprint, require_identical
 from replicator.sync.optimizer import SyncedOptimizers
 
 __all__ = ["ReplicaGuard", "UnownedGradients"]
@@ -47,11 +47,12 @@ class ReplicaGuard:
         self.optimizers = optimizers
         self.modules = modules
         self.names = names
+        self._fingerprints = Fingerprints()
 
     def require_identical(self, where: str) -> None:
         """Raise on every replica unless all hold bit-identical parameters, buffers and optimizer state."""
         if self.agreement.size > 1:
-            require_identical(self.agreement, self.named_state(), where, _ADVICE)
+            require_identical(self.agreement, self.named_state(), where, _ADVICE, self._fingerprints)
 
     def named_state(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor the replicas must agree on, named, in an order every replica shares."""
