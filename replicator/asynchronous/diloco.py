@@ -173,7 +173,8 @@ class DiLoCo:
 
     def _new_round(self, params: list[torch.Tensor]) -> _Round:
         anchors = [torch.nn.Parameter(param.detach().clone()) for param in params]
-        optimizer = self.outer_optimizer(anchors)
+        tensors: list[torch.Tensor] = [*anchors]
+        optimizer = self.outer_optimizer(tensors)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ReplicatorUsageError(f"outer_optimizer returned {type(optimizer).__name__}, not a "
                                        "torch.optim.Optimizer over the tensors it was given")
