@@ -174,6 +174,10 @@ def bad_replicator(case: str) -> None:
         rp.Replicator(mode="diloco", outer_every=4, sync_group_size=2)  # 3 replicas
     elif case == "stages":
         rp.Replicator(mode="diloco", outer_every=4, stages=2)
+    elif case == "sync_mode":
+        rp.Replicator(outer_every=4)
+    elif case == "mode":
+        rp.Replicator(mode="local_sgd", outer_every=4)
     elif case == "checkpoint":
         repl = rp.Replicator(mode="diloco", outer_every=2)
         with repl.scope():
@@ -187,6 +191,8 @@ def bad_replicator(case: str) -> None:
     ("groups", 3, "sync_group_size=2 does not divide the 3 replicas"),
     ("stages", 2, "mode='diloco' with stages=2 is not supported yet"),
     ("checkpoint", 2, "repl.save() in mode='diloco' is not supported yet"),
+    ("sync_mode", 2, "outer_every only apply to mode='diloco'"),
+    ("mode", 2, "unknown mode='local_sgd'"),
 ])
 def test_bad_input_raises_on_every_process(run_failing_fast, case: str, world: int, expected: str) -> None:
     with pytest.raises(ReplicaFailure) as failure:
