@@ -258,7 +258,8 @@ class DiLoCo:
         """
         state = self._round
         steps = max(self._run_steps, 1)
-        full = sum(wire_bytes(self.reducer, bucket) for bucket in state.buckets) if state is not None else 0
+        alone = self.num_groups * self.sync_group_size == 1  # one process: synchronous training sends nothing
+        full = sum(wire_bytes(self.reducer, bucket) for bucket in state.buckets) if state and not alone else 0
         outer = (state.round_bytes if state is not None else 0) * self._run_outer_steps / steps
         inner = sum(wire_bytes(inner_reducer, bucket) for bucket in inner_buckets) / accumulation
         synchronous = full / accumulation
@@ -268,6 +269,6 @@ class DiLoCo:
             "sync_group_size": self.sync_group_size, "outer_steps": self._run_outer_steps,
             "bytes_per_step": total, "outer_bytes_per_step": outer, "inner_bytes_per_step": inner,
             "synchronous_bytes_per_step": synchronous,
-            "bytes_reduction": synchronous / total if total else float("inf"),
+            "bytes_reduction": synchronous / total if total else (1.0 if not synchronous else float("inf")),
         }
 
