@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from replicator import _env
+from replicator.asynchronous.diloco import diloco_for
 from replicator.context import InputContext, ReplicaContext
 from replicator.epochs import InputPosition
 from replicator.errors import ReplicatorUsageError
@@ -30,6 +31,7 @@ from replicator.sync.reducers import Reducer, make_reducer
 from replicator.telemetry import Progress, StepTimes, summarize_run
 
 if TYPE_CHECKING:
+    from replicator.asynchronous.diloco import OuterOptimizer
     from replicator.checkpoint import Restored
     from replicator.pipeline import PipelineStage
 
@@ -66,6 +68,8 @@ class Replicator:
             ("gpipe", "1f1b", "interleaved" or "zero_bubble"), re-materializing activations per
             `recompute` ("always", "except_last" or "never"). `checkpoint=` is its old, deprecated
             name. `virtual_stages=V` gives each stage V model chunks (interleaved: V >= 2).
+        mode: "sync" (the default) or "diloco": sync groups of `sync_group_size` replicas train apart for `outer_every`
+            steps, then `outer_optimizer(tensors)` (Nesterov SGD, lr 0.7) applies their mean pseudo-gradient (DiLoCo).
     """
 
     def __init__(
@@ -80,6 +84,8 @@ class Replicator:
         nonfinite: str = "raise",
         uneven_batches: str | Callable[[Any], int] = "refuse", sparse_as_dense: bool = False,
         checkpoint: str | None = None,
+        mode: str = "sync", sync_group_size: int = 1, outer_every: int | None = None,
+        outer_optimizer: OuterOptimizer | None = None,
     ) -> None:
         recompute = resolve_recompute(recompute, checkpoint)  # checkpoint= warns: saved state is run(checkpoint_*)
         if stages < 1 or chunks < 1:
@@ -94,17 +100,20 @@ class Replicator:
         self.is_main = job.topology.rank == 0  # the one process that should log, print and save
         self.num_stages, self.chunks, self.schedule, self.recompute = stages, chunks, schedule, recompute
         self.virtual_stages = virtual_stages
-        self.reducer = make_reducer(reducer, self.groups, timeout_s=job.timeout_s, device=self.device)
+        self.diloco = diloco_for(job, mode, sync_group_size, outer_every, outer_optimizer, reducer, uneven_batches)
+        synced = self.diloco.inner_groups if self.diloco else self.groups  # DiLoCo averages inside a sync group
+        self.reducer = make_reducer(reducer, synced, timeout_s=job.timeout_s, device=self.device)
         job.close_with(self.reducer)
         models = self.models = ModelScope(self.groups, self.device, job.replica_agreement)
         self.optimizers = SyncedOptimizers(adopt=self.models.adopt,
-            context=self.context, group=self.groups.replica, agreement=job.replica_agreement,
+            context=self.context, group=synced.replica, agreement=job.replica_agreement,
             reducer=self.reducer, bucket_cap_bytes=int(bucket_cap_mb * (1 << 20)), nonfinite=nonfinite,
             debug=job.debug, is_main=self.is_main,
         )
         self.skipped_steps = self.optimizers.skipped_steps  # steps whose update nonfinite="skip" dropped
         self.optimizers.state.configure(uneven_batches, sparse_as_dense, models.modules)
-        self.guard = ReplicaGuard(job.replica_agreement, self.optimizers, self._trained_modules, models.tensor_names)
+        self.guard = ReplicaGuard(job.replica_agreement, self.optimizers, self._trained_modules, models.tensor_names,
+                                  optimizer_state=self.diloco is None)  # DiLoCo's groups keep their inner state
         self.last_run: dict[str, Any] = {}
         self._stages: list[PipelineStage] = []
         self._input = InputPosition(self.replica_id, self.num_replicas, self.device, self.is_main, stages)
@@ -267,13 +276,16 @@ class Replicator:
         self.optimizers.set_on_wait(times.add_communication)
         self.guard.require_identical("at the start of run()")  # parameters, buffers and optimizer state
         observers: list[Observer] = [times, Progress(steps, enabled=show), self.guard.watch_gradients()]
+        if self.diloco is not None:  # first: its outer step is part of the step that the others see end
+            observers.insert(0, self.diloco.begin(self.optimizers, times.add_after_step, checkpoint_dir))
         if checkpoint_every and checkpoint_dir is not None:
             observers.append(Checkpointer(checkpoint_every, functools.partial(self._save_step, checkpoint_dir, keep)))
         loop = StepLoop(self.job.agreement, self.context, self.optimizers.state, self.nonfinite)
         outcome = yield from loop.run(step_fn, self._input.begin(inputs, epochs, steps), steps, observers)
+        figures = self.diloco.finish(self.reducer, self.optimizers, show) if self.diloco is not None else {}
         self.sync_buffers()
         self.guard.require_identical("at the end of run()")
-        self.last_run = summarize_run(self.job.agreement, times, outcome.steps, outcome.ended_early, show)
+        self.last_run = summarize_run(self.job.agreement, times, outcome.steps, outcome.ended_early, show) | figures
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str], *, keep: int | None = None,
@@ -288,6 +300,8 @@ class Replicator:
         """
         from replicator import checkpoint
 
+        if self.diloco is not None:
+            self.diloco.refuse_checkpoints("repl.save()")
         if self.optimizers.mid_accumulation():
             raise ReplicatorUsageError("repl.save() was called in the middle of an accumulation; save between updates")
         self.sync_buffers()
@@ -316,25 +330,11 @@ class Replicator:
         return restored
 
     def _checkpoint_objects(self) -> dict[str, Any]:
-        from replicator.checkpoint import Layout
+        from replicator.checkpoint.training import training_objects
 
-        if self._stages:
-            # A stage keeps its layers' indices in the whole model, so the stages' keys
-            # together are the unsplit model's: such a checkpoint restores without a pipeline.
-            modules = {("model" if i == 0 else f"model{i}"): stage.module for i, stage in enumerate(self._stages)}
-        elif len(self.models.modules) == 1:
-            modules = {"model": self.models.modules[0]}
-        else:
-            modules = {f"model{i}": module for i, module in enumerate(self.models.modules)}
-        if not modules:
-            raise ReplicatorUsageError("there is nothing to checkpoint: build the model inside `with repl.scope():`")
-        return {
-            "modules": modules,
-            "optimizers": [w.optimizer for w in self.optimizers.wrapped],
-            "schedulers": list(self.optimizers.schedulers),
-            "layout": Layout.of(self.job.mesh),
-            "group": self.groups.control,
-        }
+        return training_objects([stage.module for stage in self._stages], self.models.modules,
+                                [w.optimizer for w in self.optimizers.wrapped], list(self.optimizers.schedulers),
+                                self.job.mesh, self.groups.control)
 
     def _trained_modules(self) -> list[torch.nn.Module]:
         """The modules built in scope(), or this process's pipeline stages."""

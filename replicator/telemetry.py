@@ -51,6 +51,7 @@ class StepTimes:
     # Waits since the last step ended, charged to the step that ends next.
     _communication: float = 0.0
     _input: float = 0.0
+    _after_step: float = 0.0  # communication after step_fn that belongs to its step (DiLoCo's outer step)
 
     @property
     def steps(self) -> int:
@@ -59,13 +60,18 @@ class StepTimes:
     def add_communication(self, seconds: float) -> None:
         self._communication += seconds
 
+    def add_after_step(self, seconds: float) -> None:
+        """Communication between step_fn and the step's end (an observer's): the step's time too."""
+        self._communication += seconds
+        self._after_step += seconds
+
     def finish_step(self, samples: int, seconds: float = 0.0) -> None:
         phase = self.warmup if self.steps < self.warmup_steps else self.steady
         phase.steps += 1
-        phase.step_seconds += seconds
+        phase.step_seconds += seconds + self._after_step
         phase.communication_seconds += self._communication
         phase.input_seconds += self._input
-        self._communication = self._input = 0.0
+        self._communication = self._input = self._after_step = 0.0
         self.samples += samples
         if self.steps == self.warmup_steps:
             self.steady_started = time.perf_counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Mapping
@@ -14,7 +15,8 @@ import torch.distributed as dist
 from replicator._env import DEFAULT_TIMEOUT_S
 from replicator.errors import ReplicatorUsageError
 
-__all__ = ["Topology", "Mesh", "ProcessGroups", "discover", "build_process_groups", "DEFAULT_TIMEOUT_S"]
+__all__ = ["Topology", "Mesh", "ProcessGroups", "discover", "build_process_groups", "DEFAULT_TIMEOUT_S",
+           "RegroupedMesh", "build_regrouped"]
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,37 @@ class Mesh:
         """This replica's stages: where this process's activations travel."""
         return self.stage_partition[self.replica_id]
 
+    def sync_group_partition(self, size: int) -> list[list[int]]:
+        """The replicas (of a job without stages) cut into sync groups of `size` neighbouring ranks."""
+        return [list(range(first, first + size)) for first in range(0, self.world_size, size)]
+
+    def across_sync_groups_partition(self, size: int) -> list[list[int]]:
+        """One rank of every sync group, at the same place in each: where groups pool what they learned."""
+        return [list(range(place, self.world_size, size)) for place in range(size)]
+
+
+@dataclass(frozen=True)
+class RegroupedMesh(Mesh):
+    """The job's Mesh with other replica groups (`partition`): the view a reducer over sync groups is built on."""
+
+    partition: tuple[tuple[int, ...], ...] = ((0,),)
+
+    @property
+    def replica_partition(self) -> list[list[int]]:
+        return [list(ranks) for ranks in self.partition]
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.partition[0])
+
+    @property
+    def replica_id(self) -> int:
+        return next(ranks.index(self.rank) for ranks in self.partition if self.rank in ranks)
+
+    @property
+    def replica_ranks(self) -> list[int]:
+        return next(list(ranks) for ranks in self.partition if self.rank in ranks)
+
 
 @dataclass
 class ProcessGroups:
@@ -249,3 +282,22 @@ def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float =
     intra = my_group(mesh.node_partition) if mesh.num_nodes > 1 else world
     inter = my_group(mesh.cross_node_partition) if mesh.num_nodes > 1 else None
     return ProcessGroups(world, control, replica_control, replica, stage, intra, inter, mesh)
+
+
+def build_regrouped(groups: ProcessGroups, partition: list[list[int]], timeout_s: float) -> ProcessGroups:
+    """`groups` with `partition` (equal parts, stages == 1) as the replica groups; every rank calls it, in order."""
+    mesh = groups.mesh
+    regrouped = RegroupedMesh(mesh.rank, mesh.world_size, mesh.stages, mesh.local_world_size,
+                              tuple(tuple(ranks) for ranks in partition))
+    if groups.world is None:
+        return dataclasses.replace(groups, mesh=regrouped)
+    timeout = timedelta(seconds=timeout_s)
+    # The data group, then a Gloo twin for small control messages unless the data group is Gloo already.
+    backends: list[str | None] = [None] if dist.get_backend() == "gloo" else [None, "gloo"]
+    mine: list[dist.ProcessGroup] = []
+    for backend in backends:
+        for ranks in partition:
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if mesh.rank in ranks:
+                mine.append(group)
+    return dataclasses.replace(groups, mesh=regrouped, replica=mine[0], replica_control=mine[-1])

@@ -42,8 +42,11 @@ class ReplicaGuard:
     """
 
     def __init__(self, agreement: Agreement, optimizers: SyncedOptimizers,
-                 modules: Callable[[], list[torch.nn.Module]], names: dict[int, str]) -> None:
+                 modules: Callable[[], list[torch.nn.Module]], names: dict[int, str],
+                 optimizer_state: bool = True) -> None:
         self.agreement = agreement
+        # DiLoCo's sync groups keep their own inner optimizer state (as the paper): only the rest must agree.
+        self.optimizer_state = optimizer_state
         self.optimizers = optimizers
         self.modules = modules
         self.names = names
@@ -75,7 +78,8 @@ class ReplicaGuard:
                 for param in group["params"]:
                     param_name = wrapped.synchronizer.name_of(param)
                     add(param_name, param)
-                    for key, value in sorted(optimizer.state.get(param, {}).items(), key=lambda item: str(item[0])):
+                    state_of = optimizer.state.get(param, {}) if self.optimizer_state else {}
+                    for key, value in sorted(state_of.items(), key=lambda item: str(item[0])):
                         state = _as_tensor(value)
                         if state is not None:
                             add(f"{label} state {key!r} of {param_name}", state)
