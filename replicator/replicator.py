@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from replicator import _env
+from replicator.asynchronous import AsyncRegime, AsyncSettings
 from replicator.context import InputContext, ReplicaContext
 from replicator.epochs import InputPosition
 from replicator.errors import ReplicatorUsageError
@@ -28,6 +29,7 @@ from replicator.sync.guard import ReplicaGuard
 from replicator.sync.optimizer import SyncedOptimizers
 from replicator.sync.reducers import Reducer, make_reducer
 from replicator.telemetry import Progress, StepTimes, summarize_run
+from replicator.topology import discover
 
 if TYPE_CHECKING:
     from replicator.checkpoint import Restored
@@ -66,6 +68,9 @@ class Replicator:
             ("gpipe", "1f1b", "interleaved" or "zero_bubble"), re-materializing activations per
             `recompute` ("always", "except_last" or "never"). `checkpoint=` is its old, deprecated
             name. `virtual_stages=V` gives each stage V model chunks (interleaved: V >= 2).
+        mode, parameter_servers, sync_group_size, max_staleness: mode="async" makes the last P processes
+            parameter servers and the others sync groups of G that push gradients and pull parameters
+            without waiting for other groups, at most S server updates behind (docs/asynchronous.md).
     """
 
     def __init__(
@@ -79,13 +84,17 @@ class Replicator:
         debug: bool | None = None,
         nonfinite: str = "raise",
         uneven_batches: str | Callable[[Any], int] = "refuse", sparse_as_dense: bool = False,
-        checkpoint: str | None = None,
+        checkpoint: str | None = None, mode: str = "sync",
+        parameter_servers: int = 0, sync_group_size: int = 1, max_staleness: int | None = None,
     ) -> None:
         recompute = resolve_recompute(recompute, checkpoint)  # checkpoint= warns: saved state is run(checkpoint_*)
         if stages < 1 or chunks < 1:
             raise ReplicatorUsageError(f"stages and chunks must be at least 1, got stages={stages}, chunks={chunks}")
         check_nonfinite_policy(nonfinite)
-        self.job = job = Job.start(stages=stages, timeout_s=timeout_s, debug=debug)
+        settings = AsyncSettings.of(mode, parameter_servers=parameter_servers, sync_group_size=sync_group_size,
+                                    max_staleness=max_staleness, stages=stages, world_size=discover().world_size)
+        self.job = job = Job.start(stages=stages, timeout_s=timeout_s, debug=debug, servers=parameter_servers,
+                                   group_size=sync_group_size)
         # Who am I, read off the job once: none of it changes while the job lives.
         self.topology, self.groups, self.device, self.context = job.topology, job.groups, job.device, job.context
         mesh = job.mesh
@@ -94,6 +103,7 @@ class Replicator:
         self.is_main = job.topology.rank == 0  # the one process that should log, print and save
         self.num_stages, self.chunks, self.schedule, self.recompute = stages, chunks, schedule, recompute
         self.virtual_stages = virtual_stages
+        reducer = "flat" if settings and reducer == "auto" else reducer  # a sync group, never the whole node
         self.reducer = make_reducer(reducer, self.groups, timeout_s=job.timeout_s, device=self.device)
         job.close_with(self.reducer)
         models = self.models = ModelScope(self.groups, self.device, job.replica_agreement)
@@ -109,6 +119,7 @@ class Replicator:
         self._stages: list[PipelineStage] = []
         self._input = InputPosition(self.replica_id, self.num_replicas, self.device, self.is_main, stages)
         self._restored = False
+        self.regime = settings and AsyncRegime(settings, job, self.optimizers, self._input)
 
     @property
     def nonfinite(self) -> str:
@@ -234,7 +245,8 @@ class Replicator:
     # -- input and the loop ----------------------------------------------------------------
     def prepare_input(self, input_fn: Callable[[InputContext], Iterable[Any]]) -> ReplicatedInput:
         """Call input_fn once for this replica's input pipeline; batches go to its device."""
-        return ReplicatedInput(input_fn, self._input.context, self.device)
+        return ReplicatedInput(self.regime.input_fn(input_fn) if self.regime else input_fn, self._input.context,
+                               self.device)
 
     def run(self, step_fn: Callable[[ReplicaContext, Any], Any], inputs: Iterable[Any], steps: int | None = None, *,
             epochs: int | None = None, progress: bool | None = None, warmup_steps: int = 5,
@@ -255,6 +267,9 @@ class Replicator:
         `checkpoint_every=N` it saves after every N-th step and keeps the newest `keep`.
         """
         check_run_arguments(steps, checkpoint_every, checkpoint_dir, self.optimizers.state.accumulation, epochs)
+        if self.regime and self.regime.serves:  # a parameter server: serve the groups, step nothing
+            self.last_run = self.regime.serve()
+            return
         if checkpoint_dir is not None and not self._restored and self.global_step == 0:
             from replicator.checkpoint import latest
 
@@ -265,15 +280,19 @@ class Replicator:
         times = StepTimes(warmup_steps=warmup_steps)
         self.context.on_wait = times.add_communication
         self.optimizers.set_on_wait(times.add_communication)
+        if self.regime:
+            self.regime.begin()  # the servers' parameters, and updates through them from here on
         self.guard.require_identical("at the start of run()")  # parameters, buffers and optimizer state
         observers: list[Observer] = [times, Progress(steps, enabled=show), self.guard.watch_gradients()]
         if checkpoint_every and checkpoint_dir is not None:
             observers.append(Checkpointer(checkpoint_every, functools.partial(self._save_step, checkpoint_dir, keep)))
         loop = StepLoop(self.job.agreement, self.context, self.optimizers.state, self.nonfinite)
         outcome = yield from loop.run(step_fn, self._input.begin(inputs, epochs, steps), steps, observers)
+        regime_figures = self.regime.finish() if self.regime else {}
         self.sync_buffers()
         self.guard.require_identical("at the end of run()")
-        self.last_run = summarize_run(self.job.agreement, times, outcome.steps, outcome.ended_early, show)
+        self.last_run = {**summarize_run(self.job.agreement, times, outcome.steps, outcome.ended_early, show),
+                         **regime_figures}
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str], *, keep: int | None = None,

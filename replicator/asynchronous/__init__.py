@@ -1,0 +1,6 @@
+"""The asynchronous regime: parameter servers and sync groups with a staleness bound (docs/asynchronous.md)."""
+
+from replicator.asynchronous.regime import AsyncRegime
+from replicator.asynchronous.settings import AsyncSettings, check_shardable
+
+__all__ = ["AsyncRegime", "AsyncSettings", "check_shardable"]
