@@ -46,6 +46,10 @@ class AsyncSettings:
                 "use stages=1, or mode='sync' for a pipeline")
         if parameter_servers < 1:
             raise ReplicatorUsageError(f"mode='async' needs parameter_servers >= 1, got {parameter_servers}")
+        if max_staleness is not None and max_staleness < 0:
+            raise ReplicatorUsageError(
+                f"max_staleness={max_staleness} is negative: use 0 (bulk-synchronous), a positive bound, or None "
+                "(unbounded)")
         if parameter_servers >= world_size:
             raise ReplicatorUsageError(
                 f"parameter_servers={parameter_servers} leaves no worker in a job of {world_size} process(es): "
@@ -56,10 +60,6 @@ class AsyncSettings:
                 f"the {workers} workers ({world_size} processes less {parameter_servers} server(s)) do not divide "
                 f"into sync groups of sync_group_size={sync_group_size}: pick a divisor of {workers} or launch "
                 f"{parameter_servers} + a multiple of {max(sync_group_size, 1)} processes")
-        if max_staleness is not None and max_staleness < 0:
-            raise ReplicatorUsageError(
-                f"max_staleness={max_staleness} is negative: use 0 (bulk-synchronous), a positive bound, or None "
-                "(unbounded)")
         return cls(parameter_servers, sync_group_size, max_staleness)
 
     @property
