@@ -29,7 +29,6 @@ from replicator.sync.guard import ReplicaGuard
 from replicator.sync.optimizer import SyncedOptimizers
 from replicator.sync.reducers import Reducer, make_reducer
 from replicator.telemetry import Progress, StepTimes, summarize_run
-from replicator.topology import discover
 
 if TYPE_CHECKING:
     from replicator.checkpoint import Restored
@@ -68,9 +67,8 @@ class Replicator:
             ("gpipe", "1f1b", "interleaved" or "zero_bubble"), re-materializing activations per
             `recompute` ("always", "except_last" or "never"). `checkpoint=` is its old, deprecated
             name. `virtual_stages=V` gives each stage V model chunks (interleaved: V >= 2).
-        mode, parameter_servers, sync_group_size, max_staleness: mode="async" makes the last P processes
-            parameter servers and the others sync groups of G that push gradients and pull parameters
-            without waiting for other groups, at most S server updates behind (docs/asynchronous.md).
+        mode, parameter_servers, sync_group_size, max_staleness: mode="async": the last P processes serve parameters,
+            the others push and pull in sync groups of G, at most S updates behind (docs/asynchronous.md).
     """
 
     def __init__(
@@ -91,8 +89,7 @@ class Replicator:
         if stages < 1 or chunks < 1:
             raise ReplicatorUsageError(f"stages and chunks must be at least 1, got stages={stages}, chunks={chunks}")
         check_nonfinite_policy(nonfinite)
-        settings = AsyncSettings.of(mode, parameter_servers=parameter_servers, sync_group_size=sync_group_size,
-                                    max_staleness=max_staleness, stages=stages, world_size=discover().world_size)
+        settings = AsyncSettings.of(mode, parameter_servers, sync_group_size, max_staleness, stages)
         self.job = job = Job.start(stages=stages, timeout_s=timeout_s, debug=debug, servers=parameter_servers,
                                    group_size=sync_group_size)
         # Who am I, read off the job once: none of it changes while the job lives.
@@ -119,7 +116,7 @@ class Replicator:
         self._stages: list[PipelineStage] = []
         self._input = InputPosition(self.replica_id, self.num_replicas, self.device, self.is_main, stages)
         self._restored = False
-        self.regime = settings and AsyncRegime(settings, job, self.optimizers, self._input)
+        self.regime = AsyncRegime.of(settings, job, self.optimizers, self._input)  # does nothing in sync mode
 
     @property
     def nonfinite(self) -> str:
@@ -245,8 +242,7 @@ class Replicator:
     # -- input and the loop ----------------------------------------------------------------
     def prepare_input(self, input_fn: Callable[[InputContext], Iterable[Any]]) -> ReplicatedInput:
         """Call input_fn once for this replica's input pipeline; batches go to its device."""
-        return ReplicatedInput(self.regime.input_fn(input_fn) if self.regime else input_fn, self._input.context,
-                               self.device)
+        return ReplicatedInput(self.regime.input_fn(input_fn), self._input.context, self.device)
 
     def run(self, step_fn: Callable[[ReplicaContext, Any], Any], inputs: Iterable[Any], steps: int | None = None, *,
             epochs: int | None = None, progress: bool | None = None, warmup_steps: int = 5,
@@ -267,7 +263,7 @@ class Replicator:
         `checkpoint_every=N` it saves after every N-th step and keeps the newest `keep`.
         """
         check_run_arguments(steps, checkpoint_every, checkpoint_dir, self.optimizers.state.accumulation, epochs)
-        if self.regime and self.regime.serves:  # a parameter server: serve the groups, step nothing
+        if self.regime.serves:  # a parameter server: serve the groups, step nothing
             self.last_run = self.regime.serve()
             return
         if checkpoint_dir is not None and not self._restored and self.global_step == 0:
@@ -280,19 +276,17 @@ class Replicator:
         times = StepTimes(warmup_steps=warmup_steps)
         self.context.on_wait = times.add_communication
         self.optimizers.set_on_wait(times.add_communication)
-        if self.regime:
-            self.regime.begin()  # the servers' parameters, and updates through them from here on
+        self.regime.begin()  # async: the servers' parameters, and updates through them from here on
         self.guard.require_identical("at the start of run()")  # parameters, buffers and optimizer state
         observers: list[Observer] = [times, Progress(steps, enabled=show), self.guard.watch_gradients()]
         if checkpoint_every and checkpoint_dir is not None:
             observers.append(Checkpointer(checkpoint_every, functools.partial(self._save_step, checkpoint_dir, keep)))
         loop = StepLoop(self.job.agreement, self.context, self.optimizers.state, self.nonfinite)
         outcome = yield from loop.run(step_fn, self._input.begin(inputs, epochs, steps), steps, observers)
-        regime_figures = self.regime.finish() if self.regime else {}
         self.sync_buffers()
         self.guard.require_identical("at the end of run()")
-        self.last_run = {**summarize_run(self.job.agreement, times, outcome.steps, outcome.ended_early, show),
-                         **regime_figures}
+        self.last_run = summarize_run(self.job.agreement, times, outcome.steps, outcome.ended_early, show)
+        self.last_run.update(self.regime.finish())  # async: every group done, the final parameters in place
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str], *, keep: int | None = None,
@@ -335,25 +329,10 @@ class Replicator:
         return restored
 
     def _checkpoint_objects(self) -> dict[str, Any]:
-        from replicator.checkpoint import Layout
+        from replicator.checkpoint.objects import checkpoint_objects
 
-        if self._stages:
-            # A stage keeps its layers' indices in the whole model, so the stages' keys
-            # together are the unsplit model's: such a checkpoint restores without a pipeline.
-            modules = {("model" if i == 0 else f"model{i}"): stage.module for i, stage in enumerate(self._stages)}
-        elif len(self.models.modules) == 1:
-            modules = {"model": self.models.modules[0]}
-        else:
-            modules = {f"model{i}": module for i, module in enumerate(self.models.modules)}
-        if not modules:
-            raise ReplicatorUsageError("there is nothing to checkpoint: build the model inside `with repl.scope():`")
-        return {
-            "modules": modules,
-            "optimizers": [w.optimizer for w in self.optimizers.wrapped],
-            "schedulers": list(self.optimizers.schedulers),
-            "layout": Layout.of(self.job.mesh),
-            "group": self.groups.control,
-        }
+        return checkpoint_objects([stage.module for stage in self._stages], self.models.modules, self.optimizers,
+                                  self.job.mesh, self.groups.control)
 
     def _trained_modules(self) -> list[torch.nn.Module]:
         """The modules built in scope(), or this process's pipeline stages."""

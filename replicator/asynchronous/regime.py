@@ -6,7 +6,6 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-
 from replicator.asynchronous.server import ParameterServer
 from replicator.asynchronous.settings import AsyncSettings, check_shardable
 from replicator.asynchronous.shards import ShardMap
@@ -18,10 +17,29 @@ from replicator.errors import ReplicatorUsageError
 from replicator.job import Job
 from replicator.sync.optimizer import SyncedOptimizers
 
-__all__ = ["AsyncRegime"]
+__all__ = ["AsyncRegime", "Regime"]
 
 
-class AsyncRegime:
+class Regime:
+    """What run() hands off to around the step loop; this base does nothing (synchronous training)."""
+
+    serves = False  # does this process serve instead of stepping?
+
+    def input_fn(self, input_fn: Callable[[InputContext], Iterable[Any]]) -> Callable[[InputContext], Iterable[Any]]:
+        return input_fn
+
+    def serve(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def begin(self) -> None:
+        """Before the first step."""
+
+    def finish(self) -> dict[str, Any]:
+        """After the last step: figures for repl.last_run."""
+        return {}
+
+
+class AsyncRegime(Regime):
     """Parameter servers and sync groups over one job (see docs/asynchronous.md).
 
     On a server, `repl.run(...)` serves until every group has finished or left, yields no
@@ -30,6 +48,12 @@ class AsyncRegime:
     `optimizer.step()` sends the group's averaged gradient to the servers and takes the
     parameters they answer with, instead of updating locally.
     """
+
+    @classmethod
+    def of(cls, settings: AsyncSettings | None, job: Job, optimizers: SyncedOptimizers,
+           position: InputPosition) -> Regime:
+        """The regime of `settings`: a plain Regime (synchronous) when None."""
+        return Regime() if settings is None else cls(settings, job, optimizers, position)
 
     def __init__(self, settings: AsyncSettings, job: Job, optimizers: SyncedOptimizers,
                  position: InputPosition) -> None:

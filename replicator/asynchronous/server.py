@@ -56,7 +56,8 @@ class ParameterServer:
         self.shards = shards
         self.bound = max_staleness
         self.timeout_s = timeout_s
-        self.death_grace_s = min(timeout_s, 10.0)
+        # Well inside the timeout: groups waiting on this server must hear before their receive gives up.
+        self.death_grace_s = min(timeout_s / 3, 10.0)
         self.books = [_Book(shards.shard(k, self.index), optimizer) for k, optimizer in enumerate(shards.optimizers)]
         self.tickets = wire.Tickets(self.index)
         self.record = StalenessRecord(max_staleness)

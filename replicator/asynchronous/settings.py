@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from replicator.errors import ReplicatorUsageError
+from replicator.topology import discover
 
 __all__ = ["AsyncSettings", "check_shardable"]
 
@@ -27,11 +28,13 @@ class AsyncSettings:
     max_staleness: int | None = None
 
     @classmethod
-    def of(cls, mode: str, *, parameter_servers: int, sync_group_size: int, max_staleness: int | None,
-           stages: int, world_size: int) -> AsyncSettings | None:
+    def of(cls, mode: str, parameter_servers: int, sync_group_size: int, max_staleness: int | None,
+           stages: int, world_size: int | None = None) -> AsyncSettings | None:
         """The settings of `mode` ("sync" gives None), or a ReplicatorUsageError saying what to change.
 
-        Every process gets the same arguments and world size, so every process raises alike."""
+        Every process gets the same arguments and world size (the launcher's, by default), so every
+        process raises alike, before any process group exists."""
+        world_size = discover().world_size if world_size is None else world_size
         if mode not in MODES:
             raise ReplicatorUsageError(f"mode={mode!r} is not one of {', '.join(map(repr, MODES))}")
         if mode == "sync":

@@ -73,7 +73,7 @@ def faulty(fault: str, steps: int) -> dict[str, Any]:
 
 def test_a_dead_worker_leaves_the_servers_and_other_groups_running(run_failing_fast: Callable[..., Any]) -> None:
     with pytest.raises(ReplicaFailure) as failure:
-        run_failing_fast(faulty, 3, "worker", 12, collective_timeout_s=30)
+        run_failing_fast(faulty, 3, "worker", 12, collective_timeout_s=15)
     assert [e.rank for e in failure.value.errors] == [1]  # only the worker that died
     survivors = failure.value.results
     assert survivors[0]["updates"] == 12

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 from typing import Any
 
@@ -11,7 +9,7 @@ import pytest
 import torch
 
 import replicator as rp
-from replicator.testing import ReplicaFailure, run_replicas
+from replicator.testing import run_replicas
 
 STEPS = 4
 ROWS = 4  # per worker and step
@@ -113,8 +111,7 @@ def bounded(max_staleness: int | None, steps: int, slow_worker: int, delay_s: fl
 
     def step_fn(ctx: rp.ReplicaContext, inputs: Any) -> None:
         worker, step = inputs
-        if worker == slow_worker:
-            time.sleep(delay_s)
+        time.sleep(delay_s if worker == slow_worker else delay_s / 10)
         c = constant_gradient(int(worker), int(step))
         loss = (torch.cat([model.w, model.v]) * c).sum()
         optimizer.zero_grad()
@@ -122,7 +119,9 @@ def bounded(max_staleness: int | None, steps: int, slow_worker: int, delay_s: fl
         optimizer.step()
         seen.append(1)
 
-    for _ in repl.run(step_fn, repl.prepare_input(input_fn), steps=steps):
+    inputs = repl.prepare_input(input_fn)
+    torch.distributed.barrier(group=repl.groups.everyone)  # all start together: the slow worker is slow, not late
+    for _ in repl.run(step_fn, inputs, steps=steps):
         pass
     return {"params": torch.cat([model.w, model.v]).detach().clone(), "run": repl.last_run["asynchronous"],
             "steps": len(seen)}
