@@ -331,6 +331,7 @@ class Replicator:
     def _checkpoint_objects(self) -> dict[str, Any]:
         from replicator.checkpoint.objects import checkpoint_objects
 
+        self.regime.refuse_checkpoints()
         return checkpoint_objects([stage.module for stage in self._stages], self.models.modules, self.optimizers,
                                   self.job.mesh, self.groups.control)
 

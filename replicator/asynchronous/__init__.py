@@ -2,5 +2,6 @@
 
 from replicator.asynchronous.regime import AsyncRegime
 from replicator.asynchronous.settings import AsyncSettings, check_shardable
+from replicator.asynchronous.worker import ServerError
 
-__all__ = ["AsyncRegime", "AsyncSettings", "check_shardable"]
+__all__ = ["AsyncRegime", "AsyncSettings", "ServerError", "check_shardable"]

@@ -38,6 +38,9 @@ class Regime:
         """After the last step: figures for repl.last_run."""
         return {}
 
+    def refuse_checkpoints(self) -> None:
+        """Raise where this regime cannot save or restore yet."""
+
 
 class AsyncRegime(Regime):
     """Parameter servers and sync groups over one job (see docs/asynchronous.md).
@@ -118,6 +121,11 @@ class AsyncRegime(Regime):
                   file=sys.stderr, flush=True)
         return {"asynchronous": {"role": "worker", "group": self.mesh.group_id, "departed": dict(exchange.departed),
                                  **exchange.record.summary()}}
+
+    def refuse_checkpoints(self) -> None:
+        raise ReplicatorUsageError(
+            "mode='async' cannot save or restore checkpoints yet: the servers' parameters and optimizer state are "
+            "not written. Save after run() (every process holds the final parameters) with torch.save on one rank")
 
     def close(self) -> None:
         if self._heartbeat is not None:
