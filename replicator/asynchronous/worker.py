@@ -88,7 +88,10 @@ class GroupExchange:
         """Request from every server, then read every answer; returns an error message, or ""."""
         sent: list[tuple[Any, torch.Tensor]] = []
         for server, tickets in enumerate(self.tickets):
-            tickets.post(self.group_id)
+            try:
+                tickets.post(self.group_id)
+            except RuntimeError as error:  # the store left with its host: the job is ending around us
+                return self._failed(verdict, server, "could not be reached through the job's store", error)
             header = torch.tensor([kind, -1 if index is None else index, self.step, self.group_id], dtype=torch.int64)
             assert header.numel() == HEADER
             tensors = [header]
