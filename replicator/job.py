@@ -55,8 +55,11 @@ class Job:
     failing: bool = False  # an exception is ending this process: leave at once, wait for no peer
 
     @classmethod
-    def start(cls, *, stages: int = 1, timeout_s: float | None = None, debug: bool | None = None) -> Job:
-        """Discover this process's place, join the job's process groups and connect the links."""
+    def start(cls, *, stages: int = 1, timeout_s: float | None = None, debug: bool | None = None,
+              servers: int = 0, group_size: int = 1) -> Job:
+        """Discover this process's place, join the job's process groups and connect the links.
+
+        `servers` > 0 gives the processes roles (Mesh): parameter servers and sync groups of `group_size`."""
         topology = discover()
         threads = _env.threads()
         if threads is not None:
@@ -64,7 +67,8 @@ class Job:
         timeout_s = _env.timeout_s() if timeout_s is None else timeout_s
         debug = _env.debug() if debug is None else debug
         owns_process_group = topology.distributed and not dist.is_initialized()
-        groups = build_process_groups(topology, stages=stages, timeout_s=timeout_s)
+        groups = build_process_groups(topology, stages=stages, timeout_s=timeout_s, servers=servers,
+                                      group_size=group_size)
         mesh = groups.mesh
         agreement, replica_agreement = _agreements(topology, groups, timeout_s, debug)
         context = ReplicaContext(mesh.replica_id, mesh.num_replicas, groups.replica, replica_agreement)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from replicator import _env
-from replicator.asynchronous.diloco import diloco_for
+from replicator.asynchronous import AsyncRegime, AsyncSettings, OuterOptimizer, diloco_for
 from replicator.context import InputContext, ReplicaContext
 from replicator.epochs import InputPosition
 from replicator.errors import ReplicatorUsageError
@@ -31,7 +31,6 @@ from replicator.sync.reducers import Reducer, make_reducer
 from replicator.telemetry import Progress, StepTimes, summarize_run
 
 if TYPE_CHECKING:
-    from replicator.asynchronous.diloco import OuterOptimizer
     from replicator.checkpoint import Restored
     from replicator.pipeline import PipelineStage
 
@@ -68,8 +67,9 @@ class Replicator:
             ("gpipe", "1f1b", "interleaved" or "zero_bubble"), re-materializing activations per
             `recompute` ("always", "except_last" or "never"). `checkpoint=` is its old, deprecated
             name. `virtual_stages=V` gives each stage V model chunks (interleaved: V >= 2).
-        mode: "sync" (the default) or "diloco": sync groups of `sync_group_size` replicas train apart for `outer_every`
-            steps, then `outer_optimizer(tensors)` (Nesterov SGD, lr 0.7) applies their mean pseudo-gradient (DiLoCo).
+        mode: "sync" (default); "diloco" (sync groups of G train apart for `outer_every` steps, then
+            `outer_optimizer` applies their mean pseudo-gradient); "async" (the last `parameter_servers`
+            processes serve, groups of G push and pull at most `max_staleness` behind): docs/asynchronous.md.
     """
 
     def __init__(
@@ -77,21 +77,20 @@ class Replicator:
         *,
         stages: int = 1, chunks: int = 1,
         schedule: str = "gpipe", recompute: str = "except_last", virtual_stages: int = 1,
-        reducer: str | Reducer = "auto",
-        bucket_cap_mb: float = 25.0,
-        timeout_s: float | None = None,
-        debug: bool | None = None,
-        nonfinite: str = "raise",
+        reducer: str | Reducer = "auto", bucket_cap_mb: float = 25.0,
+        timeout_s: float | None = None, debug: bool | None = None, nonfinite: str = "raise",
         uneven_batches: str | Callable[[Any], int] = "refuse", sparse_as_dense: bool = False,
-        checkpoint: str | None = None,
-        mode: str = "sync", sync_group_size: int = 1, outer_every: int | None = None,
-        outer_optimizer: OuterOptimizer | None = None,
+        checkpoint: str | None = None, mode: str = "sync", sync_group_size: int = 1,
+        outer_every: int | None = None, outer_optimizer: OuterOptimizer | None = None,
+        parameter_servers: int = 0, max_staleness: int | None = None,
     ) -> None:
         recompute = resolve_recompute(recompute, checkpoint)  # checkpoint= warns: saved state is run(checkpoint_*)
         if stages < 1 or chunks < 1:
             raise ReplicatorUsageError(f"stages and chunks must be at least 1, got stages={stages}, chunks={chunks}")
         check_nonfinite_policy(nonfinite)
-        self.job = job = Job.start(stages=stages, timeout_s=timeout_s, debug=debug)
+        settings = AsyncSettings.of(mode, parameter_servers, sync_group_size, max_staleness, stages)
+        self.job = job = Job.start(stages=stages, timeout_s=timeout_s, debug=debug, servers=parameter_servers,
+                                   group_size=sync_group_size if settings else 1)  # DiLoCo regroups on its own
         # Who am I, read off the job once: none of it changes while the job lives.
         self.topology, self.groups, self.device, self.context = job.topology, job.groups, job.device, job.context
         mesh = job.mesh
@@ -102,6 +101,7 @@ class Replicator:
         self.virtual_stages = virtual_stages
         self.diloco = diloco_for(job, mode, sync_group_size, outer_every, outer_optimizer, reducer, uneven_batches)
         synced = self.diloco.inner_groups if self.diloco else self.groups  # DiLoCo averages inside a sync group
+        reducer = "flat" if settings and reducer == "auto" else reducer  # async: a sync group, never the whole node
         self.reducer = make_reducer(reducer, synced, timeout_s=job.timeout_s, device=self.device)
         job.close_with(self.reducer)
         models = self.models = ModelScope(self.groups, self.device, job.replica_agreement)
@@ -118,6 +118,7 @@ class Replicator:
         self._stages: list[PipelineStage] = []
         self._input = InputPosition(self.replica_id, self.num_replicas, self.device, self.is_main, stages)
         self._restored = False
+        self.regime = AsyncRegime.of(settings, job, self.optimizers, self._input)  # does nothing in sync mode
 
     @property
     def nonfinite(self) -> str:
@@ -229,21 +230,17 @@ class Replicator:
         return self.optimizers.clip_grad_norm_(parameters, max_norm, norm_type, shards=self.groups.stage)
 
     def sync_buffers(self) -> None:
-        """Average the buffers (BatchNorm running statistics) over this stage's replicas.
+        """Average the buffers (BatchNorm running statistics) over this stage's replicas, on every replica.
 
-        Each replica's BatchNorm tracks statistics of its own shard only. run() calls this when
-        it ends (not when the loop over it is left with `break`) and save() before writing, so
-        evaluation and checkpoints see one model; call it yourself before evaluating in the
-        middle of a run or after a `break` (every replica, at the same point). Integer buffers
-        take replica 0's values; buffers already equal everywhere (CrossReplicaBatchNorm's
-        statistics, constant tables) stay bit for bit.
+        run() does it when it ends (not after a `break`), save() before writing; call it before evaluating
+        mid-run. Integer buffers take replica 0's values; buffers equal everywhere stay bit for bit.
         """
         average_buffers(self._trained_modules(), self.groups.replica, self.job.replica_agreement)
 
     # -- input and the loop ----------------------------------------------------------------
     def prepare_input(self, input_fn: Callable[[InputContext], Iterable[Any]]) -> ReplicatedInput:
         """Call input_fn once for this replica's input pipeline; batches go to its device."""
-        return ReplicatedInput(input_fn, self._input.context, self.device)
+        return ReplicatedInput(self.regime.input_fn(input_fn), self._input.context, self.device)
 
     def run(self, step_fn: Callable[[ReplicaContext, Any], Any], inputs: Iterable[Any], steps: int | None = None, *,
             epochs: int | None = None, progress: bool | None = None, warmup_steps: int = 5,
@@ -251,12 +248,10 @@ class Replicator:
             keep: int = 3) -> Iterator[tuple[int, Any]]:
         """Run `step_fn(ctx, batch)` on every replica; yield `(step, output)` for each step.
 
-        `inputs` is `repl.prepare_input(input_fn)`, a DataLoader (split across replicas, see
-        replicator.inputs.shard_loader) or any iterable of this replica's batches. Steps and
-        epochs count the whole training (`repl.global_step`, `ctx.epoch`), restored ones
-        included: the run ends once `steps` steps or `epochs` passes over `inputs` are done
-        (each pass tells the sampler its epoch; with neither, after one pass), on every replica
-        at the same step. Replica 0 then prints the step-time breakdown (`repl.last_run`).
+        `inputs`: `repl.prepare_input(input_fn)`, a DataLoader (split across replicas) or any
+        iterable of this replica's batches. The run ends, on every replica at the same step, once
+        `steps` steps or `epochs` passes (each telling the sampler its epoch; neither: one pass) of
+        the whole training are done, restored ones included. `repl.last_run` holds its figures.
 
         With `checkpoint_dir`, a fresh Replicator first resumes from the newest complete
         checkpoint there (parameters, optimizers, schedulers, step, epoch and place in it,
@@ -264,16 +259,19 @@ class Replicator:
         `checkpoint_every=N` it saves after every N-th step and keeps the newest `keep`.
         """
         check_run_arguments(steps, checkpoint_every, checkpoint_dir, self.optimizers.state.accumulation, epochs)
-        if checkpoint_dir is not None and not self._restored and self.global_step == 0:
-            from replicator.checkpoint import latest
+        if self.regime.serves:  # a parameter server: serve the groups, step nothing
+            self.last_run = self.regime.serve()
+            return
+        from replicator.checkpoint import latest
 
-            last = latest(checkpoint_dir)
-            if last is not None:
-                self.restore(last)
+        fresh = not self._restored and self.global_step == 0  # a fresh Replicator resumes from checkpoint_dir
+        if checkpoint_dir is not None and fresh and (last := latest(checkpoint_dir)) is not None:
+            self.restore(last)
         show = self.is_main and (_env.progress() if progress is None else progress)
         times = StepTimes(warmup_steps=warmup_steps)
         self.context.on_wait = times.add_communication
         self.optimizers.set_on_wait(times.add_communication)
+        self.regime.begin()  # async: the servers' parameters, and updates through them from here on
         self.guard.require_identical("at the start of run()")  # parameters, buffers and optimizer state
         observers: list[Observer] = [times, Progress(steps, enabled=show), self.guard.watch_gradients()]
         if self.diloco is not None:  # first: its outer step is part of the step that the others see end
@@ -285,6 +283,7 @@ class Replicator:
         figures = self.diloco.finish(self.reducer, self.optimizers, show) if self.diloco is not None else {}
         self.sync_buffers()
         self.guard.require_identical("at the end of run()")
+        figures |= self.regime.finish()  # async: every group done, the final parameters in place
         self.last_run = summarize_run(self.job.agreement, times, outcome.steps, outcome.ended_early, show) | figures
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -300,18 +299,16 @@ class Replicator:
         """
         from replicator import checkpoint
 
-        if self.diloco is not None:
-            self.diloco.refuse_checkpoints("repl.save()")
+        objects = self._checkpoint_objects()  # first: the modes that cannot checkpoint yet refuse here
         if self.optimizers.mid_accumulation():
             raise ReplicatorUsageError("repl.save() was called in the middle of an accumulation; save between updates")
         self.sync_buffers()
         self.guard.require_identical(f"before saving a checkpoint at step {self.global_step}")
-        return checkpoint.save(path, **self._checkpoint_objects(), step=self.global_step,
+        return checkpoint.save(path, **objects, step=self.global_step,
                                input_state=self._input.state_dict(), extra=extra, keep=keep)
 
     def _save_step(self, directory: str | os.PathLike[str], keep: int, step: int) -> Path:
         from replicator.checkpoint import step_path
-
         return self.save(step_path(directory, step), keep=keep)
 
     def restore(self, path: str | os.PathLike[str]) -> Restored:
@@ -332,6 +329,9 @@ class Replicator:
     def _checkpoint_objects(self) -> dict[str, Any]:
         from replicator.checkpoint.training import training_objects
 
+        self.regime.refuse_checkpoints()
+        if self.diloco is not None:
+            self.diloco.refuse_checkpoints("checkpoints (repl.save(), restore(), run(checkpoint_dir=))")
         return training_objects([stage.module for stage in self._stages], self.models.modules,
                                 [w.optimizer for w in self.optimizers.wrapped], list(self.optimizers.schedulers),
                                 self.job.mesh, self.groups.control)

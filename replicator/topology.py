@@ -117,29 +117,64 @@ class Mesh:
     one replica are neighbours (usually on one node, where activations travel fastest).
     Nodes hold `local_world_size` consecutive ranks. Every process computes the same
     partitions, which is what lets them create process groups in the same order.
+
+    Roles (the asynchronous regime): with `servers` > 0 the last `servers` ranks are
+    parameter servers and the others workers in sync groups of `group_size` consecutive
+    ranks. A process's "replicas" are then its role group (its sync group, or the servers),
+    the processes it stays in lock-step with.
     """
 
     rank: int = 0
     world_size: int = 1
     stages: int = 1
     local_world_size: int = 1
+    servers: int = 0
+    group_size: int = 1
 
     @classmethod
-    def of(cls, topology: Topology, stages: int = 1) -> Mesh:
+    def of(cls, topology: Topology, stages: int = 1, servers: int = 0, group_size: int = 1) -> Mesh:
         """This process's mesh; raises when `stages` does not divide the world."""
         if stages < 1 or topology.world_size % stages != 0:
             raise ReplicatorUsageError(
                 f"stages={stages} does not divide the world size {topology.world_size}: "
                 f"launch a multiple of {stages} processes or change stages"
             )
-        return cls(topology.rank, topology.world_size, stages, topology.local_world_size)
+        return cls(topology.rank, topology.world_size, stages, topology.local_world_size, servers, group_size)
+
+    @property
+    def num_workers(self) -> int:
+        """The processes that run step_fn: all of them but the parameter servers."""
+        return self.world_size - self.servers
+
+    @property
+    def is_server(self) -> bool:
+        return self.rank >= self.num_workers
+
+    @property
+    def server_ranks(self) -> list[int]:
+        return list(range(self.num_workers, self.world_size))
+
+    @property
+    def group_partition(self) -> list[list[int]]:
+        """The workers' sync groups (asynchronous regime), group by group."""
+        size = self.group_size
+        return [list(range(start, start + size)) for start in range(0, self.num_workers, size)]
+
+    @property
+    def group_id(self) -> int:
+        """This worker's sync group (asynchronous regime)."""
+        return self.rank // self.group_size
 
     @property
     def num_replicas(self) -> int:
+        if self.servers:
+            return len(self.replica_ranks)
         return self.world_size // self.stages
 
     @property
     def replica_id(self) -> int:
+        if self.servers:
+            return self.replica_ranks.index(self.rank)
         return self.rank // self.stages
 
     @property
@@ -156,7 +191,11 @@ class Mesh:
 
     @property
     def replica_partition(self) -> list[list[int]]:
-        """Each stage's replica group (the ranks that average one stage's gradients), stage by stage."""
+        """Each stage's replica group (the ranks that average one stage's gradients), stage by stage.
+
+        With roles: the sync groups, then the servers."""
+        if self.servers:
+            return [*self.group_partition, self.server_ranks]
         return [[r * self.stages + s for r in range(self.num_replicas)] for s in range(self.stages)]
 
     @property
@@ -179,6 +218,8 @@ class Mesh:
     @property
     def replica_ranks(self) -> list[int]:
         """This stage's replica group: where this process's gradients are averaged."""
+        if self.servers:
+            return self.server_ranks if self.is_server else self.group_partition[self.group_id]
         return self.replica_partition[self.stage_id]
 
     @property
@@ -233,6 +274,7 @@ class ProcessGroups:
     intra_node: dist.ProcessGroup | None
     inter_node: dist.ProcessGroup | None  # same local rank across nodes
     mesh: Mesh
+    everyone: dist.ProcessGroup | None = None  # with roles: the whole job on Gloo (servers and workers meet here)
 
     @property
     def replica_ranks(self) -> list[int]:
@@ -243,9 +285,14 @@ class ProcessGroups:
         return self.mesh.stage_ranks
 
 
-def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroups:
-    """Initialise torch.distributed (if the job has peers) and build every group once."""
-    mesh = Mesh.of(topology, stages)
+def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                         servers: int = 0, group_size: int = 1) -> ProcessGroups:
+    """Initialise torch.distributed (if the job has peers) and build every group once.
+
+    With `servers` (the asynchronous regime) the control and replica groups are each process's
+    role group, so the step loop's checks and gradient averaging stay inside a sync group and
+    never wait for another group or a server; `everyone` spans the job."""
+    mesh = Mesh.of(topology, stages, servers, group_size)
     if not topology.distributed:
         return ProcessGroups(None, None, None, None, None, None, None, mesh)
 
@@ -273,6 +320,11 @@ def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float =
                 mine = group
         return mine
 
+    if servers:
+        everyone = new_group(list(range(topology.world_size)), backend="gloo")
+        role_control = my_group(mesh.replica_partition, backend="gloo")
+        role = my_group(mesh.replica_partition)
+        return ProcessGroups(world, role_control, role_control, role, None, role, None, mesh, everyone)
     # The control group is always Gloo on the CPU: its messages are tiny and must not
     # queue behind gradient traffic on the accelerator's stream.
     control = new_group(list(range(topology.world_size)), backend="gloo")
@@ -288,7 +340,7 @@ def build_regrouped(groups: ProcessGroups, partition: list[list[int]], timeout_s
     """`groups` with `partition` (equal parts, stages == 1) as the replica groups; every rank calls it, in order."""
     mesh = groups.mesh
     regrouped = RegroupedMesh(mesh.rank, mesh.world_size, mesh.stages, mesh.local_world_size,
-                              tuple(tuple(ranks) for ranks in partition))
+                              partition=tuple(tuple(ranks) for ranks in partition))
     if groups.world is None:
         return dataclasses.replace(groups, mesh=regrouped)
     timeout = timedelta(seconds=timeout_s)

@@ -35,18 +35,19 @@ _BUCKET_BYTES = 25 << 20
 def diloco_for(job: Job, mode: str, sync_group_size: int, outer_every: int | None,
                outer_optimizer: OuterOptimizer | None, reducer: str | Reducer, uneven_batches: Any) -> DiLoCo | None:
     """The job's DiLoCo outer loop for mode="diloco", None for mode="sync"; raises on bad arguments, on every rank."""
-    if mode == "sync":
+    if mode in ("sync", "async"):  # the parameter servers' regime checks its own arguments (asynchronous.settings)
         given = {"outer_every": outer_every, "outer_optimizer": outer_optimizer}
-        if sync_group_size != 1:
+        if sync_group_size != 1 and mode == "sync":
             given["sync_group_size"] = sync_group_size
         stray = [name for name, value in given.items() if value is not None]
         if stray:
-            raise ReplicatorUsageError(f"{', '.join(stray)} only apply to mode='diloco' (raised on rank "
-                                       f"{job.topology.rank}): pass mode='diloco' too, or leave them out")
+            raise ReplicatorUsageError(f"{', '.join(stray)} only apply to mode='diloco' (sync_group_size also to "
+                                       f"mode='async'; raised on rank {job.topology.rank}): pass the mode too, or "
+                                       "leave them out")
         return None
     if mode != "diloco":
         raise ReplicatorUsageError(f"unknown mode={mode!r} (raised on rank {job.topology.rank}): "
-                                   "use 'sync' or 'diloco'")
+                                   "use 'sync', 'diloco' or 'async'")
     diloco = DiLoCo.start(job.groups, sync_group_size=sync_group_size, outer_every=outer_every,
                           outer_optimizer=outer_optimizer, reducer=reducer, stages=job.mesh.stages,
                           uneven_batches=uneven_batches, timeout_s=job.timeout_s, device=job.device)

@@ -59,6 +59,9 @@ class SyncedOptimizers:
         self.owner: dict[int, WrappedOptimizer] = {}
         self.schedulers: list[Any] = []
         self.skipped_steps: list[int] = []  # steps whose update nonfinite="skip" dropped
+        # Who applies an update instead of the optimizer itself, given the optimizer's index (the
+        # asynchronous regime: parameter servers); None: the optimizer's own step().
+        self.update: Callable[[int, torch.optim.Optimizer], None] | None = None
 
     # -- wrapping ----------------------------------------------------------------------
     def wrap(self, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> torch.optim.Optimizer:
@@ -122,8 +125,14 @@ class SyncedOptimizers:
                 if self.nonfinite == "skip" and not synchronizer.gradients_finite():
                     self._skip_update(wrapped)
                     return None
-                result = original_step()
+                if self.update is None:
+                    result = original_step()
+                else:
+                    result = self.update(self.wrapped.index(wrapped), optimizer)
             else:
+                if self.update is not None:
+                    raise ReplicatorUsageError("mode='async' cannot run an optimizer step with a closure: parameter "
+                                               "servers apply updates and cannot call it")
                 if state.accumulation != 1:
                     raise ReplicatorUsageError(
                         "optimizers that take a closure (LBFGS) cannot be combined with accumulate()")

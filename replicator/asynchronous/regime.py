@@ -1,0 +1,132 @@
+"""The asynchronous regime as the facade sees it: one object that run() hands the roles' work to."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from replicator.asynchronous.server import ParameterServer
+from replicator.asynchronous.settings import AsyncSettings, check_shardable
+from replicator.asynchronous.shards import ShardMap
+from replicator.asynchronous.wire import Heartbeat
+from replicator.asynchronous.worker import GroupExchange
+from replicator.context import InputContext
+from replicator.epochs import InputPosition
+from replicator.errors import ReplicatorUsageError
+from replicator.job import Job
+from replicator.sync.optimizer import SyncedOptimizers
+
+__all__ = ["AsyncRegime", "Regime"]
+
+
+class Regime:
+    """What run() hands off to around the step loop; this base does nothing (synchronous training)."""
+
+    serves = False  # does this process serve instead of stepping?
+
+    def input_fn(self, input_fn: Callable[[InputContext], Iterable[Any]]) -> Callable[[InputContext], Iterable[Any]]:
+        return input_fn
+
+    def serve(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def begin(self) -> None:
+        """Before the first step."""
+
+    def finish(self) -> dict[str, Any]:
+        """After the last step: figures for repl.last_run."""
+        return {}
+
+    def refuse_checkpoints(self) -> None:
+        """Raise where this regime cannot save or restore yet."""
+
+
+class AsyncRegime(Regime):
+    """Parameter servers and sync groups over one job (see docs/asynchronous.md).
+
+    On a server, `repl.run(...)` serves until every group has finished or left, yields no
+    step, and returns with the whole final model in place; `prepare_input` there reads no data.
+    On a worker, run() is the synchronous loop over its sync group, except that each
+    `optimizer.step()` sends the group's averaged gradient to the servers and takes the
+    parameters they answer with, instead of updating locally.
+    """
+
+    @classmethod
+    def of(cls, settings: AsyncSettings | None, job: Job, optimizers: SyncedOptimizers,
+           position: InputPosition) -> Regime:
+        """The regime of `settings`: a plain Regime (synchronous) when None."""
+        return Regime() if settings is None else cls(settings, job, optimizers, position)
+
+    def __init__(self, settings: AsyncSettings, job: Job, optimizers: SyncedOptimizers,
+                 position: InputPosition) -> None:
+        self.settings, self.job, self.optimizers = settings, job, optimizers
+        mesh = self.mesh = job.mesh
+        self.serves = mesh.is_server
+        self._server: ParameterServer | None = None
+        self._exchange: GroupExchange | None = None
+        self._heartbeat: Heartbeat | None = None
+        if not self.serves:
+            # One input pipeline per worker: the groups read different data, as synchronous replicas do.
+            position.context = InputContext(num_replicas=mesh.num_replicas, replica_id=mesh.replica_id,
+                                            input_pipeline_id=mesh.rank, num_input_pipelines=mesh.num_workers)
+            if mesh.rank == mesh.group_partition[mesh.group_id][0]:
+                # From the start, so servers can tell a group still building its model from a dead one.
+                self._heartbeat = Heartbeat(mesh.group_id)
+                self._heartbeat.start()
+                job.close_with(self)
+
+    def input_fn(self, input_fn: Callable[[InputContext], Iterable[Any]]) -> Callable[[InputContext], Iterable[Any]]:
+        """Servers read no data: their input is empty and input_fn is never called there."""
+        return (lambda context: []) if self.serves else input_fn
+
+    def _shards(self) -> ShardMap:
+        optimizers = [w.optimizer for w in self.optimizers.wrapped]
+        if not optimizers:
+            raise ReplicatorUsageError("mode='async' needs an optimizer: wrap one with repl.wrap_optimizer() on every "
+                                       "process (servers included: they apply it)")
+        for optimizer in optimizers:
+            check_shardable(optimizer)
+        return ShardMap(optimizers, self.settings.parameter_servers)
+
+    # -- a server ----------------------------------------------------------------------------
+    def serve(self) -> dict[str, Any]:
+        """A server's whole run(): serve, then hold the final model; returns what repl.last_run shows."""
+        groups = self.job.groups
+        assert groups.everyone is not None
+        if self._server is None:
+            self._server = ParameterServer(self.mesh, groups.everyone, groups.replica_control, self._shards(),
+                                           self.settings.max_staleness, self.job.timeout_s)
+        return {"asynchronous": self._server.serve()}
+
+    # -- a worker ----------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Before a worker's first step: updates go to the servers; start from their parameters."""
+        groups = self.job.groups
+        assert groups.everyone is not None
+        if self._exchange is None:
+            self._exchange = GroupExchange(self.mesh, groups.everyone, groups.replica_control, self._shards(),
+                                           self.settings.max_staleness)
+        self.optimizers.update = self._exchange.push
+        self._exchange.pull()
+
+    def finish(self) -> dict[str, Any]:
+        """After a worker's last step: wait for every group, take the final parameters; the run's figures."""
+        exchange = self._exchange
+        assert exchange is not None
+        exchange.finish()
+        self.optimizers.update = None
+        if self.mesh.rank == 0 and exchange.departed:
+            print(f"replicator: sync group(s) {exchange.departed} left the run early; see the servers' report",
+                  file=sys.stderr, flush=True)
+        return {"asynchronous": {"role": "worker", "group": self.mesh.group_id, "departed": dict(exchange.departed),
+                                 **exchange.record.summary()}}
+
+    def refuse_checkpoints(self) -> None:
+        raise ReplicatorUsageError(
+            "mode='async' cannot save or restore checkpoints yet: the servers' parameters and optimizer state are "
+            "not written. Save after run() (every process holds the final parameters) with torch.save on one rank")
+
+    def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()

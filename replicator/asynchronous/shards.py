@@ -1,0 +1,87 @@
+"""Internal: which server holds which parameters (balanced by size), and a shard packed into flat buffers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["Shard", "ShardMap", "assign_shards"]
+
+
+def assign_shards(sizes: Sequence[int], servers: int) -> list[list[int]]:
+    """Indices of `sizes` per server: largest first onto the least-loaded server (greedy LPT).
+
+    Whole tensors, never split: a server then applies the optimizer to real parameters, whose
+    per-parameter state (momentum, Adam's moments) it keeps. Ties go to the lower server, so
+    every process computes the same assignment.
+    """
+    loads = [0] * servers
+    shards: list[list[int]] = [[] for _ in range(servers)]
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        server = min(range(servers), key=lambda s: (loads[s], s))
+        shards[server].append(index)
+        loads[server] += sizes[index]
+    return [sorted(shard) for shard in shards]
+
+
+class Shard:
+    """Some parameters, packed into one flat buffer per dtype for a message (and unpacked from one)."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        self.dtypes = sorted({p.dtype for p in self.params}, key=str)
+        self.numel = sum(p.numel() for p in self.params)
+
+    def empty(self) -> list[torch.Tensor]:
+        """Receiving buffers, one per dtype, in host memory (the wire is Gloo)."""
+        return [torch.empty(sum(p.numel() for p in self.params if p.dtype == dtype), dtype=dtype)
+                for dtype in self.dtypes]
+
+    def pack(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """`tensors` (one per parameter, None as zeros) as one flat host buffer per dtype."""
+        flats = []
+        for dtype in self.dtypes:
+            parts = [(t if t is not None else torch.zeros_like(p)).detach().reshape(-1).to("cpu", dtype)
+                     for p, t in zip(self.params, tensors, strict=True) if p.dtype == dtype]
+            flats.append(torch.cat(parts) if parts else torch.empty(0, dtype=dtype))
+        return flats
+
+    def unpack(self, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of `flats` shaped as the parameters, in parameter order."""
+        offsets = dict.fromkeys(self.dtypes, 0)
+        by_dtype = dict(zip(self.dtypes, flats, strict=True))
+        views = []
+        for p in self.params:
+            start = offsets[p.dtype]
+            views.append(by_dtype[p.dtype][start:start + p.numel()].view_as(p))
+            offsets[p.dtype] = start + p.numel()
+        return views
+
+    def load(self, flats: Sequence[torch.Tensor]) -> None:
+        """Copy values packed in `flats` into the parameters."""
+        with torch.no_grad():
+            for param, value in zip(self.params, self.unpack(flats), strict=True):
+                param.copy_(value)
+
+
+class ShardMap:
+    """Every wrapped optimizer's parameters cut into one Shard per server, the same on every process.
+
+    The assignment balances the servers' total size over all optimizers together; each optimizer
+    keeps its own shards, because each optimizer.step() is its own update.
+    """
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], servers: int) -> None:
+        self.optimizers = list(optimizers)
+        owned = [(k, p) for k, optimizer in enumerate(self.optimizers)
+                 for group in optimizer.param_groups for p in group["params"]]
+        server_of = {}
+        for server, indices in enumerate(assign_shards([p.numel() for _, p in owned], servers)):
+            server_of.update(dict.fromkeys(indices, server))
+        self.shards = [[Shard([p for i, (k, p) in enumerate(owned) if k == optimizer and server_of[i] == server])
+                        for server in range(servers)] for optimizer in range(len(self.optimizers))]
+        self.whole = [Shard([p for k, p in owned if k == optimizer]) for optimizer in range(len(self.optimizers))]
+
+    def shard(self, optimizer: int, server: int) -> Shard:
+        return self.shards[optimizer][server]

@@ -1,0 +1,103 @@
+"""Internal: how workers and parameter servers reach each other: tickets and heartbeats in the job's
+store, tensors over Gloo point-to-point.
+
+A server cannot post a Gloo receive "from whoever comes next" and still notice a worker that
+died (such a receive only times out, and a Gloo timeout breaks the group). So a worker first
+takes a ticket in the job's store naming its sync group; the server reads tickets in order
+and then receives the request's tensors from that group's leader, a known peer whose death
+Gloo reports at once. Tickets hold a decimal number, nothing that is unpickled.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch.distributed as dist
+
+__all__ = ["PULL", "PUSH", "DONE", "OK", "FAILED", "TAG_REQUEST", "TAG_REPLY", "Tickets", "Heartbeat", "idle_sleep"]
+
+# What a request asks for (the first number of its header).
+PULL = 1  # the parameters, now
+PUSH = 2  # apply this gradient, then answer with the parameters it produced
+DONE = 3  # this group has finished: answer with the final parameters once every group has
+
+OK = 0
+FAILED = 1
+
+TAG_REQUEST = 71
+TAG_REPLY = 72
+
+_PREFIX = "replicator/async/"
+
+
+def _store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
+class Tickets:
+    """One server's queue of requests, in the order workers took their tickets."""
+
+    def __init__(self, server: int) -> None:
+        self.key = f"{_PREFIX}server{server}/"
+        self.next = 1
+
+    def post(self, group: int) -> None:
+        """Queue a request from `group` (a worker leader, before sending its tensors)."""
+        store = _store()
+        number = store.add(self.key + "count", 1)
+        store.set(f"{self.key}{number}", str(group))
+
+    def take(self) -> int | None:
+        """The group of the next request, or None when none is queued yet (the server's side)."""
+        store = _store()
+        key = f"{self.key}{self.next}"
+        if not store.check([key]):
+            return None
+        group = int(store.get(key).decode("ascii"))
+        store.delete_key(key)
+        self.next += 1
+        return group
+
+
+class Heartbeat:
+    """A counter in the store that a sync group's leader bumps twice a second from a daemon thread.
+
+    Servers read it to tell a group that died (its counter stops) from one that is computing a
+    long step (its counter moves); a hung group's counter moves too, so servers also time out
+    groups that send nothing for REPLICATOR_TIMEOUT."""
+
+    PERIOD_S = 0.5
+
+    def __init__(self, group: int) -> None:
+        self.key = f"{_PREFIX}beat{group}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._beat, name="replicator-heartbeat", daemon=True)
+            self._thread.start()
+
+    def _beat(self) -> None:
+        store = _store()
+        while not self._stop.wait(self.PERIOD_S):
+            try:
+                store.add(self.key, 1)
+            except RuntimeError:  # the store went away: the job is ending
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.PERIOD_S)
+            self._thread = None
+
+    def read(self) -> int:
+        return int(_store().add(self.key, 0))
+
+
+def idle_sleep(idle_since: float) -> None:
+    """Poll quickly right after a request (the next one often follows), then back off to 2 ms."""
+    time.sleep(min(0.002, max(0.0001, (time.monotonic() - idle_since) / 50)))

@@ -1,0 +1,93 @@
+"""The asynchronous regime's bad input and faults: a dead group leaves the others running; a dead server stops all."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import replicator as rp
+from replicator.errors import ReplicatorUsageError
+from replicator.testing import ReplicaFailure
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"parameter_servers": 1}, "leaves no worker"),
+    ({"parameter_servers": 0}, "parameter_servers >= 1"),
+    ({"parameter_servers": 1, "max_staleness": -1}, "negative"),
+    ({"parameter_servers": 1, "stages": 2}, "not supported yet"),
+], ids=["servers>=world", "no-server", "negative-S", "stages"])
+def test_bad_arguments_are_refused_before_any_group_is_built(kwargs: dict[str, Any], words: str) -> None:
+    with pytest.raises(ReplicatorUsageError, match=words):
+        rp.Replicator(mode="async", **kwargs)
+
+
+def bad_input(case: str) -> None:
+    if case == "groups":
+        rp.Replicator(mode="async", parameter_servers=1, sync_group_size=2)  # 3 workers
+        return
+    repl = rp.Replicator(mode="async", parameter_servers=1)
+    with repl.scope():
+        model = torch.nn.Linear(2, 1)
+        repl.wrap_optimizer(torch.optim.LBFGS(model.parameters()))
+    for _ in repl.run(lambda ctx, batch: None, repl.prepare_input(lambda ctx: [0]), steps=1):
+        pass
+
+
+@pytest.mark.parametrize(("case", "world", "words"), [("groups", 4, "do not divide into sync groups"),
+                                                      ("lbfgs", 3, "cannot shard torch.optim.LBFGS")])
+def test_bad_input_raises_on_every_process(run_failing_fast: Callable[..., Any], case: str, world: int,
+                                           words: str) -> None:
+    with pytest.raises(ReplicaFailure) as failure:
+        run_failing_fast(bad_input, world, case)
+    assert sorted(e.rank for e in failure.value.errors) == list(range(world))
+    assert all(words in e.message for e in failure.value.errors), failure.value
+
+
+def faulty(fault: str, steps: int) -> dict[str, Any]:
+    repl = rp.Replicator(mode="async", parameter_servers=1)
+    with repl.scope():
+        model = torch.nn.Linear(4, 1)
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    if fault == "server" and repl.regime is not None and repl.regime.serves:
+        threading.Timer(1.5, os._exit, (3,)).start()
+
+    def step_fn(ctx: rp.ReplicaContext, x: torch.Tensor) -> None:
+        if fault == "worker" and repl.topology.rank == 1 and repl.global_step == 3:
+            os._exit(3)
+        time.sleep(0.05)
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+
+    inputs = repl.prepare_input(lambda ctx: [torch.ones(2, 4)] * steps)
+    for _ in repl.run(step_fn, inputs, steps=steps):
+        pass
+    return repl.last_run["asynchronous"]
+
+
+def test_a_dead_worker_leaves_the_servers_and_other_groups_running(run_failing_fast: Callable[..., Any]) -> None:
+    with pytest.raises(ReplicaFailure) as failure:
+        run_failing_fast(faulty, 3, "worker", 12, collective_timeout_s=15)
+    assert [e.rank for e in failure.value.errors] == [1]  # only the worker that died
+    survivors = failure.value.results
+    assert survivors[0]["updates"] == 12
+    departed = survivors[2]["departed"]
+    assert list(departed) == [1] and departed[1]["how"] == "died" and departed[1]["step"] == 3
+    assert survivors[2]["applied_per_group"] == [12, 3]
+
+
+def test_a_dead_server_stops_every_worker_with_its_name(run_failing_fast: Callable[..., Any]) -> None:
+    started = time.monotonic()
+    with pytest.raises(ReplicaFailure) as failure:
+        run_failing_fast(faulty, 3, "server", 10_000, collective_timeout_s=60)
+    assert time.monotonic() - started < 50  # seconds, not the 60 s timeout
+    errors = {e.rank: e for e in failure.value.errors}
+    assert set(errors) == {0, 1, 2}
+    for rank in (0, 1):
+        assert errors[rank].kind == "ServerError" and "parameter server 0 (rank 2)" in errors[rank].message

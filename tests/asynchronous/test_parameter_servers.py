@@ -1,0 +1,187 @@
+"""Parameter servers and sync groups: equal to synchronous training at S = 0, S never exceeded, no races."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import replicator as rp
+from replicator.testing import run_replicas
+
+STEPS = 4
+ROWS = 4  # per worker and step
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(params, lr=0.05)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + worker)
+    return torch.randn(ROWS, 5, generator=generator), torch.randn(ROWS, 2, generator=generator)
+
+
+def reference(workers: int, optimizer_name: str) -> list[torch.Tensor]:
+    """One process training on every worker's batch of each step at once."""
+    model = make_model()
+    optimizer = make_optimizer(optimizer_name, model.parameters())
+    for step in range(STEPS):
+        parts = [batch(worker, step) for worker in range(workers)]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train(servers: int, group_size: int, max_staleness: int | None, optimizer_name: str) -> dict[str, Any]:
+    repl = rp.Replicator(mode="async", parameter_servers=servers, sync_group_size=group_size,
+                         max_staleness=max_staleness)
+    with repl.scope():
+        model = make_model()
+        optimizer = repl.wrap_optimizer(make_optimizer(optimizer_name, model.parameters()))
+
+    def input_fn(ctx: rp.InputContext) -> list[Any]:
+        return [batch(ctx.input_pipeline_id, step) for step in range(STEPS)]
+
+    def step_fn(ctx: rp.ReplicaContext, inputs: Any) -> torch.Tensor:
+        x, y = inputs
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    steps = sum(1 for _ in repl.run(step_fn, repl.prepare_input(input_fn), steps=STEPS))
+    return {"params": [p.detach().clone() for p in model.parameters()], "steps": steps,
+            "run": repl.last_run["asynchronous"]}
+
+
+@pytest.mark.parametrize(("world", "servers", "group_size", "optimizer_name"),
+                         [(3, 1, 2, "sgd"), (4, 2, 1, "adam")], ids=["one-group-sgd", "two-groups-two-servers-adam"])
+def test_bulk_synchronous_equals_synchronous_training(world: int, servers: int, group_size: int,
+                                                      optimizer_name: str) -> None:
+    results = run_replicas(train, world, servers, group_size, 0, optimizer_name)
+    expected = reference(world - servers, optimizer_name)
+    for rank, result in enumerate(results):
+        for got, want in zip(result["params"], expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=f"rank {rank}")
+    workers, server_runs = results[: world - servers], results[world - servers:]
+    for result in workers:
+        assert result["steps"] == STEPS and result["run"]["role"] == "worker"
+        assert result["run"]["staleness"]["max"] == 0 and result["run"]["updates"] == STEPS
+    for result in server_runs:
+        # S = 0: each round's group gradients make one update.
+        assert result["run"]["versions"] == [STEPS] and result["run"]["staleness"]["exceeded"] == 0
+
+
+class Linear(torch.nn.Module):
+    """loss = <w, c>: its gradient is c whatever w is, so plain SGD must end at w0 - lr * (sum of every c
+    pushed), in any order; an update lost to a race, or applied twice, shows in the sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(64, dtype=torch.float64))
+        self.v = torch.nn.Parameter(torch.zeros(16, dtype=torch.float64))
+
+
+def constant_gradient(worker: int, step: int) -> torch.Tensor:
+    return torch.full((80,), float(1 + worker * 100 + step), dtype=torch.float64)
+
+
+def bounded(max_staleness: int | None, steps: int, slow_worker: int, delay_s: float) -> dict[str, Any]:
+    repl = rp.Replicator(mode="async", parameter_servers=1, max_staleness=max_staleness)
+    with repl.scope():
+        model = Linear()
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    seen: list[int] = []
+
+    def input_fn(ctx: rp.InputContext) -> list[Any]:
+        return [(ctx.input_pipeline_id, step) for step in range(steps)]
+
+    def step_fn(ctx: rp.ReplicaContext, inputs: Any) -> None:
+        worker, step = inputs
+        time.sleep(delay_s if worker == slow_worker else delay_s / 10)
+        c = constant_gradient(int(worker), int(step))
+        loss = (torch.cat([model.w, model.v]) * c).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        seen.append(1)
+
+    inputs = repl.prepare_input(input_fn)
+    torch.distributed.barrier(group=repl.groups.everyone)  # all start together: the slow worker is slow, not late
+    for _ in repl.run(step_fn, inputs, steps=steps):
+        pass
+    return {"params": torch.cat([model.w, model.v]).detach().clone(), "run": repl.last_run["asynchronous"],
+            "steps": len(seen)}
+
+
+@pytest.mark.parametrize("max_staleness", [1, None], ids=["S=1", "unbounded"])
+def test_staleness_bound_holds_under_a_slow_worker_and_no_update_is_lost(max_staleness: int | None) -> None:
+    steps, workers = 6, 3
+    results = run_replicas(bounded, workers + 1, max_staleness, steps, 2, 0.15)
+    total = sum(constant_gradient(w, s) for w in range(workers) for s in range(steps))
+    expected = -0.5 * total
+    server = results[-1]["run"]
+    assert server["applied_per_group"] == [steps] * workers  # every gradient applied exactly once
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["params"], results[0]["params"], rtol=0, atol=0, msg=f"rank {rank}")
+        if max_staleness is None:  # one update per gradient (a bound merges waiting gradients into one)
+            torch.testing.assert_close(result["params"], expected, rtol=0, atol=1e-9, msg=f"rank {rank}")
+    # The version check: the server measured each gradient's staleness as it applied it.
+    staleness = server["staleness"]
+    assert staleness["count"] == steps * workers
+    if max_staleness is None:
+        assert staleness["max"] > 1  # the fast workers really ran ahead of the slow one
+    else:
+        assert staleness["exceeded"] == 0 and staleness["max"] == max_staleness
+        for result in results[:workers]:
+            assert result["run"]["staleness"]["max"] <= max_staleness and result["run"]["staleness"]["exceeded"] == 0
+    slow = results[2]["run"]
+    assert slow["updates"] == steps and slow["wait_seconds"] >= 0
+
+
+def least_squares(max_staleness: int | None, steps: int) -> dict[str, Any]:
+    repl = rp.Replicator(mode="async", parameter_servers=1, max_staleness=max_staleness)
+    with repl.scope():
+        model = torch.nn.Linear(4, 1, bias=False, dtype=torch.float64)
+        torch.nn.init.zeros_(model.weight)
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(256, 4, generator=generator, dtype=torch.float64)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]], dtype=torch.float64) + 0.1 * torch.randn(
+        256, 1, generator=generator, dtype=torch.float64)
+
+    def input_fn(ctx: rp.InputContext) -> Any:
+        rows = torch.arange(ctx.input_pipeline_id, 256, ctx.num_input_pipelines)
+        return [(x[rows[i % len(rows): i % len(rows) + 16]], y[rows[i % len(rows): i % len(rows) + 16]])
+                for i in range(0, 16 * steps, 16)]
+
+    def step_fn(ctx: rp.ReplicaContext, inputs: Any) -> None:
+        features, targets = inputs
+        loss = torch.nn.functional.mse_loss(model(features), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    for _ in repl.run(step_fn, repl.prepare_input(input_fn), steps=steps):
+        pass
+    optimum = torch.linalg.lstsq(x, y).solution.reshape(1, 4)
+    return {"weight": model.weight.detach().clone(), "optimum": optimum}
+
+
+def test_asynchronous_training_reaches_the_least_squares_optimum() -> None:
+    results = run_replicas(least_squares, 3, None, 150)
+    for result in results:
+        torch.testing.assert_close(result["weight"], result["optimum"], rtol=0, atol=0.05)
