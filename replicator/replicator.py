@@ -331,7 +331,7 @@ class Replicator:
 
         self.regime.refuse_checkpoints()
         if self.diloco is not None:
-            self.diloco.refuse_checkpoints("checkpoints (repl.save(), restore(), run(checkpoint_dir=))")
+            self.diloco.refuse_checkpoints("checkpointing (repl.save(), repl.restore(), run(checkpoint_dir=))")
         return training_objects([stage.module for stage in self._stages], self.models.modules,
                                 [w.optimizer for w in self.optimizers.wrapped], list(self.optimizers.schedulers),
                                 self.job.mesh, self.groups.control)

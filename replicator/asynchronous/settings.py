@@ -36,7 +36,7 @@ class AsyncSettings:
         process raises alike, before any process group exists."""
         world_size = discover().world_size if world_size is None else world_size
         if mode not in MODES:
-            raise ReplicatorUsageError(f"mode={mode!r} is not one of {', '.join(map(repr, MODES))}")
+            raise ReplicatorUsageError(f"unknown mode={mode!r}: use one of {', '.join(map(repr, MODES))}")
         if mode != "async":  # "sync" and "diloco" (whose own arguments replicator.asynchronous.diloco checks)
             if parameter_servers or max_staleness is not None:
                 raise ReplicatorUsageError(

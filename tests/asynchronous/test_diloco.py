@@ -190,7 +190,7 @@ def bad_replicator(case: str) -> None:
     ("outer_every", 2, "outer_every=H, a whole number of inner steps >= 1"),
     ("groups", 3, "sync_group_size=2 does not divide the 3 replicas"),
     ("stages", 2, "mode='diloco' with stages=2 is not supported yet"),
-    ("checkpoint", 2, "repl.save() in mode='diloco' is not supported yet"),
+    ("checkpoint", 2, "run(checkpoint_dir=)) in mode='diloco' is not supported yet"),
     ("sync_mode", 2, "outer_every only apply to mode='diloco'"),
     ("mode", 2, "unknown mode='local_sgd'"),
 ])
