@@ -203,7 +203,7 @@ def bubbles(config: Config, per_rank: list[dict[str, list[list[Event]]]], name: 
     schedule_name, V = name.split(" V=")
     schedule = make_schedule(schedule_name, STAGES, config.chunks, int(V))
     measured, simulated = [], []
-    idle: dict[str, list[float]] = {"receives": [], "sends": [], "between actions": []}
+    idle: dict[str, list[float]] = {"receives": [], "sends": [], "between actions": [], "before and after": []}
     for steps in zip(*(timelines[name] for timelines in per_rank), strict=True):
         events = [e for stage_events in steps for e in stage_events]
         measured.append(measured_bubble(events))
@@ -221,12 +221,21 @@ def bubbles(config: Config, per_rank: list[dict[str, list[list[Event]]]], name: 
 
 
 def idle_parts(events: list[Event], stages: int) -> dict[str, float]:
-    """Where a step's time outside forwards and backwards went, as shares of (stages x span)."""
-    span = stages * (max(e.end for e in events) - min(e.start for e in events))
+    """Where a step's time outside forwards and backwards went, as shares of (stages x span).
+
+    Before and after: a stage's time in the span before its first action or after its last
+    (part of the schedule's own bubble: the last stage starts late, the first ends late).
+    """
+    first, last = min(e.start for e in events), max(e.end for e in events)
+    span = stages * (last - first)
+    rows = {e.stage for e in events}
+    edges = sum(min(e.start for e in events if e.stage == s) - first + last - max(e.end for e in events if e.stage == s)
+                for s in rows) / span
     receives = sum(e.end - e.start for e in events if e.op.startswith("recv")) / span
     sends = sum(e.end - e.start for e in events if e.op.startswith("send")) / span
     compute = sum(e.end - e.start for e in events if e.is_compute) / span
-    return {"receives": receives, "sends": sends, "between actions": 1 - compute - receives - sends}
+    return {"receives": receives, "sends": sends, "between actions": 1 - compute - receives - sends - edges,
+            "before and after": edges}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,11 +283,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"{b['theory (measured stage times)']:.1%} | {b['theory (unit costs)']:.1%} | "
                      f"{'met' if gap <= 0.05 else 'MISSED'} ({100 * gap:.1f} points) |")
     lines += ["", "where the measured bubble goes (medians, shares of the stages' time): waiting in receives, "
-              "packing and starting sends, between actions (posting receives, Python):", ""]
+              "packing and starting sends, between actions (posting receives, Python), before a stage's first "
+              "action and after its last:", ""]
     for schedule, V, _ in PAIRS:
         b = summary["bubbles"][f"{schedule} V={V}"]
         lines.append(f"  {schedule} V={V}: receives {b['idle in receives']:.1%}, sends {b['idle in sends']:.1%}, "
-                     f"between actions {b['idle in between actions']:.1%}")
+                     f"between actions {b['idle in between actions']:.1%}, "
+                     f"before and after {b['idle in before and after']:.1%}")
     lower = summary["bubbles"]["interleaved V=2"]["measured"] < summary["bubbles"]["1f1b V=1"]["measured"]
     lines += ["", f"interleaving (V = 2) lowers the measured bubble against 1F1B at M = {config.chunks}: "
               f"{summary['bubbles']['interleaved V=2']['measured']:.1%} vs "

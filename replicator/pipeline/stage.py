@@ -15,7 +15,7 @@ from replicator._tree import tensors, to_device
 from replicator.comm import p2p
 from replicator.pipeline.failures import end_evaluation_step, end_training_step
 from replicator.pipeline.hooks import StageHooks, around_training_step, with_no_sync
-from replicator.pipeline.links import StageLinks, delivered_counts, settle_delivered
+from replicator.pipeline.links import StageLinks, settle_delivered
 from replicator.pipeline.microbatch import gather, microbatch_sizes, scatter, shared_batch_size, unshared
 from replicator.pipeline.recompute import resolve_recompute, run_forward, should_recompute
 from replicator.pipeline.schedule import (
@@ -65,8 +65,8 @@ class PipelineStage:
     weight gradients) of micro-batches, and the sends and receives that link it to its
     neighbours (p2p.Link). Sends are started without waiting and completed once the
     schedule proves them received, or at the end of the step; receives wait. On Gloo,
-    whose sends never block, an exchange's sends start before its receives are waited
-    for, and receives are posted an exchange ahead (walk.py).
+    whose sends never block, each send starts right after the pass that computes it,
+    before the receives around it, and receives are posted an exchange ahead (walk.py).
 
     A stage may hold V model chunks (virtual stages, for interleaved and zero-bubble
     schedules): pass `StageChunks`, chunk v being piece v * K + stage_id of the model, and
@@ -165,9 +165,8 @@ class PipelineStage:
         self._last_update = max(n for n, a in enumerate(actions) if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT))
         self.links = StageLinks.connect(stage_id, num_stages, self.stage_ranks, group, self.device, ring=V > 1)
         posts_ahead = all(link.posts_ahead for link in self.links.from_stage.values())
-        self._train_walk = walk(actions, delivered_counts(self.schedule, stage_id), posts_ahead)
-        self._eval_walk = walk(self._forward_schedule.stages[stage_id],
-                               delivered_counts(self._forward_schedule, stage_id), posts_ahead)
+        self._train_walk = walk(self.schedule, stage_id, posts_ahead)
+        self._eval_walk = walk(self._forward_schedule, stage_id, posts_ahead)
 
     # -- identity ----------------------------------------------------------------------
     @property
