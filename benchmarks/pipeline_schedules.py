@@ -203,9 +203,12 @@ def bubbles(config: Config, per_rank: list[dict[str, list[list[Event]]]], name: 
     schedule_name, V = name.split(" V=")
     schedule = make_schedule(schedule_name, STAGES, config.chunks, int(V))
     measured, simulated = [], []
+    idle: dict[str, list[float]] = {"receives": [], "sends": [], "between actions": [], "before and after": []}
     for steps in zip(*(timelines[name] for timelines in per_rank), strict=True):
         events = [e for stage_events in steps for e in stage_events]
         measured.append(measured_bubble(events))
+        for part, share in idle_parts(events, len(steps)).items():
+            idle[part].append(share)
         times = [stage_times(stage_events, config.chunks) for stage_events in steps]
         placed = timed_simulation(
             schedule, [t["forward"] for t in times], [t["backward"] for t in times],
@@ -213,7 +216,26 @@ def bubbles(config: Config, per_rank: list[dict[str, list[list[Event]]]], name: 
         simulated.append(simulated_bubble(placed))
     unit = simulated_bubble(timed_simulation(schedule, 1.0, 2.0))
     return {"measured": statistics.median(measured), "theory (measured stage times)": statistics.median(simulated),
-            "theory (unit costs)": unit, "min measured": min(measured), "max measured": max(measured)}
+            "theory (unit costs)": unit, "min measured": min(measured), "max measured": max(measured),
+            **{f"idle in {part}": statistics.median(shares) for part, shares in idle.items()}}
+
+
+def idle_parts(events: list[Event], stages: int) -> dict[str, float]:
+    """Where a step's time outside forwards and backwards went, as shares of (stages x span).
+
+    Before and after: a stage's time in the span before its first action or after its last
+    (part of the schedule's own bubble: the last stage starts late, the first ends late).
+    """
+    first, last = min(e.start for e in events), max(e.end for e in events)
+    span = stages * (last - first)
+    rows = {e.stage for e in events}
+    edges = sum(min(e.start for e in events if e.stage == s) - first + last - max(e.end for e in events if e.stage == s)
+                for s in rows) / span
+    receives = sum(e.end - e.start for e in events if e.op.startswith("recv")) / span
+    sends = sum(e.end - e.start for e in events if e.op.startswith("send")) / span
+    compute = sum(e.end - e.start for e in events if e.is_compute) / span
+    return {"receives": receives, "sends": sends, "between actions": 1 - compute - receives - sends - edges,
+            "before and after": edges}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,6 +282,14 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {name} | {b['measured']:.1%} | {b['min measured']:.1%} | {b['max measured']:.1%} | "
                      f"{b['theory (measured stage times)']:.1%} | {b['theory (unit costs)']:.1%} | "
                      f"{'met' if gap <= 0.05 else 'MISSED'} ({100 * gap:.1f} points) |")
+    lines += ["", "where the measured bubble goes (medians, shares of the stages' time): waiting in receives, "
+              "packing and starting sends, between actions (posting receives, Python), before a stage's first "
+              "action and after its last:", ""]
+    for schedule, V, _ in PAIRS:
+        b = summary["bubbles"][f"{schedule} V={V}"]
+        lines.append(f"  {schedule} V={V}: receives {b['idle in receives']:.1%}, sends {b['idle in sends']:.1%}, "
+                     f"between actions {b['idle in between actions']:.1%}, "
+                     f"before and after {b['idle in before and after']:.1%}")
     lower = summary["bubbles"]["interleaved V=2"]["measured"] < summary["bubbles"]["1f1b V=1"]["measured"]
     lines += ["", f"interleaving (V = 2) lowers the measured bubble against 1F1B at M = {config.chunks}: "
               f"{summary['bubbles']['interleaved V=2']['measured']:.1%} vs "

@@ -23,6 +23,9 @@ __all__ = [
 ]
 
 FIRST_BYTES = 512  # the first message of a key; at least the header prefix
+# A transfer's remainder travels under its own tag, so that it cannot meet a receive the
+# peer posted ahead for its next transfer (where the backend honours tags: Gloo does).
+_REMAINDER_TAG = 1
 _ALIGN = 64  # tensor offsets in a message: enough for any dtype and vectorised kernels
 _MAX_ERROR_BYTES = 2000
 
@@ -252,6 +255,11 @@ class Link:
     sequence of keys (they do when they run the same schedule). A sent message's buffer
     stays alive until `settle` or `settle_all` has waited for its send: Gloo reports a
     send complete only once it is waited for.
+
+    Receives may be posted ahead (`post_recv`), in the order they will be received, so
+    that a message arrives while this process computes; `recv` then only waits. Only where
+    the backend keeps tags apart (`posts_ahead`, Gloo): elsewhere a remainder could meet a
+    receive posted for the next transfer, and `post_recv` does nothing.
     """
 
     def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device) -> None:
@@ -262,6 +270,8 @@ class Link:
         self.messages = 0  # point-to-point messages posted on this link (both kinds of end)
         self.sent = 0  # transfers sent so far (a transfer is one or two messages)
         self._in_flight: deque[tuple[int, list[Any], torch.Tensor]] = deque()  # (transfer, works, buffer)
+        self._posted: deque[tuple[Hashable, torch.Tensor, dist.Work]] = deque()  # receives posted ahead, in order
+        self.posts_ahead = dist.get_backend(group) == "gloo"
 
     def _first_bytes(self, key: Hashable) -> int:
         return self.sizes.get(key, FIRST_BYTES)
@@ -286,7 +296,7 @@ class Link:
             buffer[total:].zero_()
         works = [dist.isend(buffer[:first], dst=self.peer, group=self.group)]
         if total > first:
-            works.append(dist.isend(buffer[first:], dst=self.peer, group=self.group))
+            works.append(dist.isend(buffer[first:], dst=self.peer, group=self.group, tag=_REMAINDER_TAG))
         self.messages += len(works)
         self._in_flight.append((self.sent, works, buffer))
         self.sent += 1
@@ -319,8 +329,18 @@ class Link:
         raw = list(error.encode("utf-8")[:_MAX_ERROR_BYTES])
         self._send(key, [_KIND_ABORT, microbatch, 0, 0, len(raw), 0, 0, 0, 0], raw, [])
 
+    def post_recv(self, key: Hashable) -> None:
+        """Post the receive of a coming message of `key` now, after those posted before (where `posts_ahead`)."""
+        if self.posts_ahead:
+            self._post(key)
+
+    def _post(self, key: Hashable) -> None:
+        buffer = torch.empty(self._first_bytes(key), dtype=torch.uint8, device=self.device)
+        self._posted.append((key, buffer, _started(dist.irecv(buffer, src=self.peer, group=self.group))))
+        self.messages += 1
+
     def recv(self, key: Hashable) -> Message:
-        """Receive the next message, of `key` (blocking).
+        """Receive the next message, of `key` (blocking; posted now unless `post_recv` posted it).
 
         Its tensors lie in the one received buffer, without a copy, but are not views of
         it (see _tensor_at). A sender that disagrees on the size of the first message
@@ -328,10 +348,14 @@ class Link:
         (it cannot deliver part of a message), which is why both ends must follow the same
         schedule.
         """
-        first = self._first_bytes(key)
-        buffer = torch.empty(first, dtype=torch.uint8, device=self.device)
-        _started(dist.irecv(buffer, src=self.peer, group=self.group)).wait()
-        self.messages += 1
+        if not self._posted:
+            self._post(key)
+        posted, buffer, work = self._posted.popleft()
+        if posted != key:
+            raise RuntimeError(f"the receive of {posted!r} was posted before that of {key!r}: post receives in the "
+                               "order they are received")
+        first = buffer.numel()
+        work.wait()
         prefix = buffer[:_PREFIX_BYTES].view(torch.int64).tolist()
         kind, microbatch, microbatch_size, batch_size, n_codes, total, sent_first, has_loss, loss_bits = prefix
         if kind not in (_KIND_DATA, _KIND_ABORT):
@@ -345,7 +369,7 @@ class Link:
         if total > first:
             whole = torch.empty(total, dtype=torch.uint8, device=self.device)
             whole[:first].copy_(buffer)
-            _started(dist.irecv(whole[first:], src=self.peer, group=self.group)).wait()
+            _started(dist.irecv(whole[first:], src=self.peer, group=self.group, tag=_REMAINDER_TAG)).wait()
             self.messages += 1
             buffer = whole
         self.sizes[key] = total

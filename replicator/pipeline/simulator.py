@@ -52,7 +52,11 @@ def simulate(schedule: Schedule, rendezvous: bool = True) -> list[tuple[int, Act
     """Run the schedule's message passing; return the order actions completed in.
 
     rendezvous=True: a send completes only together with its matching receive (the
-    strictest transport). rendezvous=False: sends are buffered and never wait. Messages
+    strictest transport: NCCL runs a pair's operations in order on one stream, so a send
+    there holds up what follows it until received). rendezvous=False: sends are buffered
+    and never wait, as Gloo's: a stage never waits for a send it has not seen received,
+    so it may start an exchange's sends before waiting for its receives (walk.py, and
+    `walk.walked(schedule)` to simulate that order). Messages
     from one stage to another match in order, so a receive meeting a different message
     than it expects is a ScheduleError; a state where no stage can move is a DeadlockError.
     """

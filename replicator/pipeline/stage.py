@@ -15,7 +15,7 @@ from replicator._tree import tensors, to_device
 from replicator.comm import p2p
 from replicator.pipeline.failures import end_evaluation_step, end_training_step
 from replicator.pipeline.hooks import StageHooks, around_training_step, with_no_sync
-from replicator.pipeline.links import StageLinks, delivered_counts, settle_delivered
+from replicator.pipeline.links import StageLinks, settle_delivered
 from replicator.pipeline.microbatch import gather, microbatch_sizes, scatter, shared_batch_size, unshared
 from replicator.pipeline.recompute import resolve_recompute, run_forward, should_recompute
 from replicator.pipeline.schedule import (
@@ -31,6 +31,7 @@ from replicator.pipeline.schedule import (
 from replicator.pipeline.split_backward import backward_input
 from replicator.pipeline.step import PipelineError, StepState, checked_normalizer
 from replicator.pipeline.timeline import Event, Timeline, gather_events
+from replicator.pipeline.walk import Move, walk
 
 __all__ = ["PipelineStage", "PipelineError", "StageChunks"]
 
@@ -63,7 +64,9 @@ class PipelineStage:
     of actions from the schedule: forwards and backwards (whole, or split into input and
     weight gradients) of micro-batches, and the sends and receives that link it to its
     neighbours (p2p.Link). Sends are started without waiting and completed once the
-    schedule proves them delivered, or at the end of the step; receives wait.
+    schedule proves them received, or at the end of the step; receives wait. On Gloo,
+    whose sends never block, each send starts right after the pass that computes it,
+    before the receives around it, and receives are posted an exchange ahead (walk.py).
 
     A stage may hold V model chunks (virtual stages, for interleaved and zero-bubble
     schedules): pass `StageChunks`, chunk v being piece v * K + stage_id of the model, and
@@ -160,9 +163,10 @@ class PipelineStage:
         actions = self.schedule.stages[stage_id]
         # The last pass that accumulates weight gradients: the gradient synchronizer averages after it.
         self._last_update = max(n for n, a in enumerate(actions) if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT))
-        self._train_delivered = delivered_counts(self.schedule, stage_id)
-        self._eval_delivered = delivered_counts(self._forward_schedule, stage_id)
         self.links = StageLinks.connect(stage_id, num_stages, self.stage_ranks, group, self.device, ring=V > 1)
+        posts_ahead = all(link.posts_ahead for link in self.links.from_stage.values())
+        self._train_walk = walk(self.schedule, stage_id, posts_ahead)
+        self._eval_walk = walk(self._forward_schedule, stage_id, posts_ahead)
 
     # -- identity ----------------------------------------------------------------------
     @property
@@ -244,9 +248,8 @@ class PipelineStage:
                 except ValueError as error:
                     step.fail(error, self._where())
             self._start(step, inputs, targets)
-            for n, (action, delivered) in enumerate(zip(self.schedule.stages[self.stage_id], self._train_delivered)):
-                with self.timeline.record(action.op.value, action.microbatch, action.chunk):
-                    self._act(n, action, step, targets, loss_fn, reduction, delivered)
+            for move in self._train_walk:
+                self._run(move, step, targets, loss_fn, reduction)
         end_training_step(step, self.links, self.module, self._where())
         return self._step_loss(step).to(torch.float32)
 
@@ -260,10 +263,8 @@ class PipelineStage:
         result: Any = None
         with torch.no_grad():
             self._start(step, inputs, None)
-            for n, (action, delivered) in enumerate(zip(self._forward_schedule.stages[self.stage_id],
-                                                        self._eval_delivered)):
-                with self.timeline.record(action.op.value, action.microbatch, action.chunk):
-                    self._act(n, action, step, None, None, "mean", delivered)
+            for move in self._eval_walk:
+                self._run(move, step, None, None, "mean")
             if self.is_last and step.ok:
                 last = (self.virtual_stages - 1) * self.chunks
                 try:
@@ -315,6 +316,15 @@ class PipelineStage:
             )
         step.targets = [to_device(t, self.device) for t in scatter(targets, self.chunks)]
 
+    def _run(self, move: Move, step: StepState, targets: Any, loss_fn: LossFn | None, reduction: str) -> None:
+        """One move of the walk: post the receives it posts ahead, then run (and record) its action."""
+        action = move.action
+        for receive in move.post:
+            peer, _ = endpoint(self.schedule if step.training else self._forward_schedule, self.stage_id, receive)
+            self.links.from_stage[peer].post_recv(_receive_key(receive, step.training))
+        with self.timeline.record(action.op.value, action.microbatch, action.chunk):
+            self._act(move.index, action, step, targets, loss_fn, reduction, move.delivered)
+
     def _act(self, n: int, action: Action, step: StepState, targets: Any, loss_fn: LossFn | None, reduction: str,
              delivered: int) -> None:
         op, i, slot = action.op, action.microbatch, self._slot(action)
@@ -339,8 +349,7 @@ class PipelineStage:
                        loss=self._known_loss(step))
         else:
             gradient = op is Op.RECV_GRADIENT
-            key = ("gradient", action.chunk, i) if gradient else ("activation", step.training, action.chunk, i)
-            message = self.links.from_stage[peer].recv(key)
+            message = self.links.from_stage[peer].recv(_receive_key(action, step.training))
             settle_delivered(self.links.to_stage.get(peer), step.sent_before, delivered)
             if message.is_abort:
                 step.fail(message.error or "", self._where())
@@ -438,6 +447,13 @@ class PipelineStage:
             return step.loss_total
         assert step.loss_relayed is not None, "no gradient message carried the loss"
         return torch.tensor(step.loss_relayed, dtype=torch.float64, device=self.device)
+
+
+def _receive_key(action: Action, training: bool) -> Hashable:
+    """The key of the message a receive expects (p2p.Link keeps the last size per key)."""
+    if action.op is Op.RECV_GRADIENT:
+        return ("gradient", action.chunk, action.microbatch)
+    return ("activation", training, action.chunk, action.microbatch)
 
 
 def _training_schedule(schedule: str | Schedule, num_stages: int, chunks: int, virtual_stages: int) -> Schedule:

@@ -244,6 +244,30 @@ def p2p_sizes(groups: Any, stage_id: int) -> dict[str, Any]:
     return {"messages": messages, "intact": all(intact), "abort": abort_ok}
 
 
+def p2p_posted_ahead(groups: Any, stage_id: int) -> bool:
+    """Receives posted ahead meet their own transfers, even when a transfer outgrows its first message.
+
+    Rank 1 posts the receives of two keys before rank 0 sends anything; every transfer is
+    larger than its first message, so its remainder must not meet the receive posted for
+    the next transfer.
+    """
+    peer = groups.stage_ranks[1 - stage_id]
+    link = p2p.Link(peer, groups.stage, torch.device("cpu"))
+    intact = []
+    for rows in (64, 300):  # a first message of FIRST_BYTES, then one of the 64-row size: both grow
+        values = {key: torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4) + n
+                  for n, key in enumerate(["x", "y"])}
+        if stage_id == 0:
+            for n, (key, value) in enumerate(values.items()):
+                link.send(key, value, microbatch=n, microbatch_size=rows, batch_size=0)
+            link.settle_all()
+        else:
+            for key in values:
+                link.post_recv(key)
+            intact += [torch.equal(link.recv(key).value, value) for key, value in values.items()]
+    return all(intact)
+
+
 def messages_per_step(groups: Any, stage_id: int) -> list[int]:
     """Point-to-point messages each training step of a 2-stage, 4-micro-batch GPipe posts on this stage."""
     pipe = build_pipeline(make_layers(), stage_id=stage_id, num_stages=2, balance=BALANCE[2],
@@ -263,6 +287,7 @@ def two_stage_worker(trace_dir: str) -> dict[str, Any]:
     stage_id = _stage_of(groups)
     results["p2p"] = p2p_round_trip(groups, stage_id)
     results["p2p_sizes"] = p2p_sizes(groups, stage_id)
+    results["p2p_posted_ahead"] = p2p_posted_ahead(groups, stage_id)
     results["messages_per_step"] = messages_per_step(groups, stage_id)
     results["batchnorm"] = batchnorm_checks(groups, stage_id)
     results["timeline"] = timeline_checks(groups, stage_id, trace_dir)
@@ -405,6 +430,7 @@ def timeline_checks(groups: Any, stage_id: int, trace_dir: str) -> dict[str, Any
     x, y = make_batches()[0]
     pipe.train_step(x, y, F.cross_entropy)
     events = pipe.gather_timeline()
+    mine = [(e.op, e.microbatch) for e in events if e.stage == stage_id]
     if stage_id == 0:
         write_chrome_trace(events, os.path.join(trace_dir, "trace.json"))
         plot_gantt(events, os.path.join(trace_dir, "gantt.png"), title="1F1B, 2 stages x 4")
@@ -413,6 +439,8 @@ def timeline_checks(groups: Any, stage_id: int, trace_dir: str) -> dict[str, Any
         "stages": sorted({e.stage for e in events}),
         "ordered": all(e.end >= e.start for e in events),
         "bubble": measured_bubble(events),
+        # 1F1B's stage 0 exchanges "RG0 SA1" after F1: on Gloo it sends before it waits.
+        "sends_first": stage_id == 1 or mine.index(("send_activation", 1)) < mine.index(("recv_gradient", 0)),
     }
 
 
@@ -566,6 +594,15 @@ def test_one_message_per_transfer_once_its_size_is_known(two_stages: list[dict[s
         # 64 rows: new key, beyond the first message's bytes -> 2; the same again -> 1; 200 rows:
         # grown -> 2, then 1; 3 rows: shrunk, sent padded -> 1, 1; 64 rows: grown again -> 2; empty -> 1.
         assert sizes["messages"] == [2, 1, 2, 1, 1, 1, 2, 1], sizes
+
+
+def test_receives_posted_ahead_meet_their_own_transfers(two_stages: list[dict[str, Any]]) -> None:
+    assert [r["p2p_posted_ahead"] for r in two_stages] == [True, True]
+
+
+def test_on_gloo_a_stage_sends_before_it_waits_to_receive(two_stages: list[dict[str, Any]]) -> None:
+    """Within an exchange the schedule lists a receive first (safe for NCCL); Gloo's sends never block."""
+    assert [r["timeline"]["sends_first"] for r in two_stages] == [True, True]
 
 
 def test_a_training_step_posts_one_message_per_transfer(two_stages: list[dict[str, Any]]) -> None:
