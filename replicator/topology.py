@@ -157,8 +157,7 @@ class Mesh:
     @property
     def group_partition(self) -> list[list[int]]:
         """The workers' sync groups (asynchronous regime), group by group."""
-        size = self.group_size
-        return [list(range(start, start + size)) for start in range(0, self.num_workers, size)]
+        return self.sync_group_partition(self.group_size)
 
     @property
     def group_id(self) -> int:
@@ -228,8 +227,8 @@ class Mesh:
         return self.stage_partition[self.replica_id]
 
     def sync_group_partition(self, size: int) -> list[list[int]]:
-        """The replicas (of a job without stages) cut into sync groups of `size` neighbouring ranks."""
-        return [list(range(first, first + size)) for first in range(0, self.world_size, size)]
+        """The workers (every rank of a job without stages or servers) in sync groups of `size` neighbouring ranks."""
+        return [list(range(first, first + size)) for first in range(0, self.num_workers, size)]
 
     def across_sync_groups_partition(self, size: int) -> list[list[int]]:
         """One rank of every sync group, at the same place in each: where groups pool what they learned."""

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from replicator.asynchronous import wire
 from replicator.asynchronous.shards import Shard, ShardMap
 from replicator.asynchronous.staleness import StalenessRecord
+from replicator.identity import broadcast_from_first
 from replicator.topology import Mesh
 
 __all__ = ["ParameterServer", "DIED", "HUNG", "HEADER", "reply_header_size"]
@@ -243,8 +244,4 @@ class ParameterServer:
             return
         for k in range(len(self.books)):
             for server, rank in enumerate(self.mesh.server_ranks):
-                shard = self.shards.shard(k, server)
-                flats = shard.pack(shard.params) if server == self.index else shard.empty()
-                for flat in flats:
-                    dist.broadcast(flat, src=rank, group=self.servers_group)
-                shard.load(flats)
+                broadcast_from_first(self.shards.shard(k, server).params, self.servers_group, rank)

@@ -15,6 +15,7 @@ from replicator.asynchronous.server import DIED, HEADER, reply_header_size
 from replicator.asynchronous.shards import ShardMap
 from replicator.asynchronous.staleness import StalenessRecord
 from replicator.errors import ReplicatorError
+from replicator.identity import broadcast_from_first
 from replicator.topology import Mesh
 
 __all__ = ["GroupExchange", "ServerError"]
@@ -72,14 +73,8 @@ class GroupExchange:
             raise ServerError(message or (
                 f"parameter server {server} (rank {self.mesh.server_ranks[server]}) failed or dropped sync group "
                 f"{self.group_id}; see the error of its leader (rank {self.leader})"))
-        if self.group is not None and self.mesh.group_size > 1:
-            for k in optimizers:
-                whole = self.shards.whole[k]
-                flats = whole.pack(whole.params) if self.is_leader else whole.empty()
-                for flat in flats:
-                    dist.broadcast(flat, src=self.leader, group=self.group)
-                if not self.is_leader:
-                    whole.load(flats)
+        for k in optimizers:  # the leader's new parameters to the rest of its group
+            broadcast_from_first(self.shards.whole[k].params, self.group, self.leader)
         if kind == wire.PUSH:
             self.record.values.extend(int(v) for v in verdict[2:])
         self.record.wait_seconds += time.perf_counter() - started
