@@ -9,7 +9,6 @@ one broadcast per dtype and device.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from replicator.comm.agreement import Agreement
+from replicator.comm.objects import broadcast_value
 from replicator.errors import ReplicatorUsageError
 from replicator.identity import broadcast_from_first, copy_from_first, require_same_layout
 from replicator.topology import ProcessGroups
@@ -58,14 +58,14 @@ def broadcast_state(objects: Iterable[Any], groups: ProcessGroups, agreement: Ag
 def _broadcast_optimizer(optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None,
                          control: dist.ProcessGroup | None, source: int, is_source: bool) -> None:
     leaves: list[Any] = []
-    message = ""
+    message: dict[str, Any] | None = None
     if is_source:
         leaves, spec = pytree.tree_flatten(optimizer.state_dict())
         try:
-            message = json.dumps({"spec": pytree.treespec_dumps(spec), "leaves": [_describe_leaf(v) for v in leaves]})
+            message = {"spec": pytree.treespec_dumps(spec), "leaves": [_describe_leaf(v) for v in leaves]}
         except ReplicatorUsageError as error:  # sent on, so that every replica raises it
-            message = json.dumps({"error": str(error)})
-    skeleton = json.loads(_broadcast_text(message, control, source))
+            message = {"error": str(error)}
+    skeleton = broadcast_value(message, 0, control)  # replica 0 is the first member of the control group
     if "error" in skeleton:
         raise ReplicatorUsageError(f"{skeleton['error']} (found on replica 0)")
     if not is_source:
@@ -99,15 +99,3 @@ def _make_leaf(described: dict[str, Any], device: torch.device) -> Any:
     if not isinstance(dtype, torch.dtype):
         raise ReplicatorUsageError(f"replica 0 sent optimizer state of unknown dtype {dtype_name!r}")
     return torch.empty([int(size) for size in shape], dtype=dtype, device="cpu" if on_host else device)
-
-
-def _broadcast_text(text: str, group: dist.ProcessGroup | None, source: int) -> str:
-    """`text` of global rank `source` on every member of `group` (a Gloo group): its length, then its bytes."""
-    raw = text.encode("utf-8")
-    size = torch.tensor([len(raw)], dtype=torch.int64)
-    dist.broadcast(size, src=source, group=group)
-    data = torch.zeros(int(size), dtype=torch.uint8)
-    if raw:
-        data.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-    dist.broadcast(data, src=source, group=group)
-    return bytes(data.numpy()).decode("utf-8")
