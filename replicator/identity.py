@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.nn.parameter import is_lazy
 
 from replicator.comm.agreement import Agreement
+from replicator.comm.objects import all_gather_values
 from replicator.errors import ReplicaMismatchError
 
 __all__ = ["NamedTensors", "describe", "fingerprint", "Fingerprints", "require_same_layout", "copy_from_first",
@@ -76,20 +77,6 @@ class Fingerprints:
         return value
 
 
-def _gather_text(agreement: Agreement, text: str) -> list[str]:
-    """Every replica's `text`, in replica order: bytes in a padded tensor, decoded, never unpickled."""
-    raw = text.encode("utf-8")
-    mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(agreement.size)]
-    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=agreement.group)
-    longest = max(int(size) for size in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: mine.numel()] = mine
-    everyone = [torch.empty_like(padded) for _ in range(agreement.size)]
-    dist.all_gather(everyone, padded, group=agreement.group)
-    return [bytes(row[: int(size)].numpy()).decode("utf-8", errors="replace") for row, size in zip(everyone, sizes)]
-
-
 def _first_difference(mine: list[str], reference: list[str]) -> str:
     """'has X where replica 0 has Y': the first entry at which two layouts part."""
     for index in range(max(len(mine), len(reference))):
@@ -105,7 +92,7 @@ def _first_difference(mine: list[str], reference: list[str]) -> str:
 
 
 def _raise_layout_mismatch(agreement: Agreement, lines: list[str], where: str, advice: str) -> NoReturn:
-    layouts = [text.split("\n") if text else [] for text in _gather_text(agreement, "\n".join(lines))]
+    layouts = [text.split("\n") if text else [] for text in all_gather_values("\n".join(lines), agreement.group)]
     report = [f"replicas hold differently shaped parameters or state {where} (raised on replica {agreement.rank}):"]
     report += [f"  replica {replica} {_first_difference(layout, layouts[0])}"
                for replica, layout in enumerate(layouts) if layout != layouts[0]]
