@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints.txt torch==2.13.0
-	$(BIN)/pip install --quiet -c constraints.txt -e ".[demo,test]"
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[demo,rl,test]"
 	touch $(STAMP)
 
 demo: $(STAMP)
