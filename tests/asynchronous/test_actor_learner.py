@@ -1,0 +1,192 @@
+"""Actor–learner: N-step returns, prioritized sampling, the rate limiter, learners equal to one, fresh weights, faults.
+
+Every job is real processes on Gloo, with a toy environment (no gymnasium): learners first, then actors, then the
+evaluator, as `rp.Replicator(mode="actor_learner", actors=A, evaluator=E)` lays them out.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import replicator as rp
+from replicator.asynchronous.nstep import NStepAdder
+from replicator.errors import ReplicatorUsageError
+from replicator.testing import ReplicaFailure, run_replicas
+
+SHORT = {"REPLICATOR_TIMEOUT": "30"}
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 1)
+
+
+def toy_actor(actor: rp.ActorContext, *, sleep_s: float = 0.0, steps: int | None = None) -> None:
+    """A ten-step episode: observation (t / 10, actor id), a random action, a reward that depends on both."""
+    t = 0
+    while actor.running and (steps is None or actor.env_steps < steps):
+        observation = torch.tensor([t / 10, float(actor.actor_id)])
+        action = torch.rand(1)
+        reward = float(observation.sum() - action.sum())
+        next_observation = torch.tensor([(t + 1) / 10, float(actor.actor_id)])
+        actor.add(observation=observation, action=action, reward=reward, next_observation=next_observation,
+                  terminated=False, truncated=t == 9)
+        t = 0 if t == 9 else t + 1
+        if sleep_s:
+            time.sleep(sleep_s)
+    while actor.running:  # done adding: wait for the learners to finish
+        time.sleep(0.01)
+
+
+def regression_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: rp.ReplaySample) -> torch.Tensor:
+    inputs = torch.cat([batch.observation, batch.action], dim=1)
+    loss = torch.nn.functional.mse_loss(model(inputs).squeeze(1), batch.reward)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+# -- N-step assembly and prioritized sampling (one job, two tests) ------------------------------------------------
+GAMMA = 0.5
+# (observation, reward, terminated, truncated): a 5-step episode that terminates, then a 4-step one that is cut.
+SCRIPT = [*[(t, float(t + 1), t == 4, False) for t in range(5)],
+          *[(100 + t, 10.0 * (t + 1), False, t == 3) for t in range(4)]]
+# Hand-computed 3-step transitions with gamma 0.5, in the order the adder releases them:
+# observation -> (reward, discount, next observation).
+EXPECTED = {
+    0: (1 + 0.5 * 2 + 0.25 * 3, 0.125, 3), 1: (2 + 0.5 * 3 + 0.25 * 4, 0.125, 4),
+    2: (3 + 0.5 * 4 + 0.25 * 5, 0.0, 5), 3: (4 + 0.5 * 5, 0.0, 5), 4: (5.0, 0.0, 5),  # terminated: no bootstrap
+    100: (10 + 0.5 * 20 + 0.25 * 30, 0.125, 103), 101: (20 + 0.5 * 30 + 0.25 * 40, 0.125, 104),
+    102: (30 + 0.5 * 40, 0.25, 104), 103: (40.0, 0.5, 104),  # truncated: bootstrap with gamma^k
+}
+ALPHA, BETA = 0.6, 0.4
+PRIORITY_STEPS, PRIORITY_BATCH = 200, 16
+
+
+def scripted_actor(actor: rp.ActorContext) -> None:
+    for observation, reward, terminated, truncated in SCRIPT:
+        actor.add(observation=torch.tensor([float(observation)]), action=torch.tensor([float(observation)]),
+                  reward=reward, next_observation=torch.tensor([float(observation + 1)]), terminated=terminated,
+                  truncated=truncated)
+    while actor.running:
+        time.sleep(0.01)
+
+
+def prioritized_job() -> dict[str, Any]:
+    repl = rp.Replicator(mode="actor_learner", actors=1)
+    replay = rp.Replay(capacity=16, batch_size=PRIORITY_BATCH, samples_per_insert=None, min_size=len(EXPECTED),
+                       n_step=3, discount=GAMMA, prioritized=True, priority_exponent=ALPHA,
+                       importance_exponent=BETA, seed=5)
+    with repl.scope():
+        model = torch.nn.Linear(1, 1)
+    seen: dict[int, tuple[float, float, float]] = {}
+    keys: dict[int, int] = {}
+    counted: list[torch.Tensor] = []
+    weights: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> None:
+        for row in range(len(batch.key)):
+            observation = int(batch.observation[row, 0])
+            seen[observation] = (float(batch.reward[row]), float(batch.discount[row]),
+                                 float(batch.next_observation[row, 0]))
+            keys[observation] = int(batch.key[row])
+        if repl.global_step == 0:  # priority key + 1 for every item; from step 2 the batches are drawn after this
+            every = torch.arange(len(EXPECTED))
+            replay.update_priorities(every, (every + 1).double())
+        elif repl.global_step >= 2:
+            counted.append(batch.key.clone())
+            weights.append((batch.key.clone(), batch.weight.clone()))
+
+    for _ in repl.run(step_fn, repl.prepare_input(replay), steps=PRIORITY_STEPS, actor_fn=scripted_actor):
+        pass
+    del model
+    return {"seen": seen, "keys": keys, "counted": counted, "weights": weights}
+
+
+@pytest.fixture(scope="module")
+def prioritized_run() -> dict[str, Any]:
+    return run_replicas(prioritized_job, 2, timeout_s=120, env=SHORT)[0]
+
+
+def test_n_step_returns_match_hand_computed_values(prioritized_run: dict[str, Any]) -> None:
+    seen = prioritized_run["seen"]
+    assert sorted(seen) == sorted(EXPECTED)
+    for observation, (reward, discount, next_observation) in EXPECTED.items():
+        assert seen[observation] == pytest.approx((reward, discount, next_observation), abs=1e-6), observation
+
+
+def test_the_adder_releases_every_transition_once_per_episode() -> None:
+    adder = NStepAdder(3, GAMMA)
+    released = []
+    for observation, reward, terminated, truncated in SCRIPT:
+        o = torch.tensor([float(observation)])
+        released += adder.add(o, o, reward, o + 1, terminated, truncated)
+    assert [int(t.observation) for t in released] == list(EXPECTED)
+    assert [(t.reward, t.discount, float(t.next_observation)) for t in released] == list(EXPECTED.values())
+
+
+def test_prioritized_sampling_matches_its_priorities(prioritized_run: dict[str, Any]) -> None:
+    keys = torch.cat(prioritized_run["counted"])
+    assert sorted(prioritized_run["keys"].values()) == list(range(len(EXPECTED)))  # items 0..8, in insert order
+    scaled = torch.arange(1, len(EXPECTED) + 1, dtype=torch.float64) ** ALPHA
+    probability = scaled / scaled.sum()
+    observed = torch.bincount(keys, minlength=len(EXPECTED)).double()
+    expected = probability * keys.numel()
+    chi_square = float(((observed - expected) ** 2 / expected).sum())
+    assert chi_square < 26.12, (chi_square, observed, expected)  # 8 degrees of freedom, p = 0.001
+    for batch_keys, weight in prioritized_run["weights"]:
+        raw = (len(EXPECTED) * probability[batch_keys]) ** -BETA
+        torch.testing.assert_close(weight, (raw / raw.max()).float())
+
+
+# -- two learners: identical, and equal to one learner on the same batches --------------------------------------
+EQUAL_STEPS = 12
+
+
+def two_learners_job() -> tuple[str, list[torch.Tensor], list[list[torch.Tensor]], dict[str, Any]]:
+    repl = rp.Replicator(mode="actor_learner", actors=1)
+    replay = rp.Replay(capacity=64, batch_size=8, samples_per_insert=4.0, min_size=8, seed=3)
+    with repl.scope():
+        model = make_model()
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    batches: list[list[torch.Tensor]] = []
+
+    def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> torch.Tensor:
+        batches.append([batch.observation.clone(), batch.action.clone(), batch.reward.clone()])
+        return regression_step(model, optimizer, batch)
+
+    for _ in repl.run(step_fn, repl.prepare_input(replay), steps=EQUAL_STEPS, actor_fn=toy_actor, update_period=3):
+        pass
+    return repl.role, [p.detach().clone() for p in model.parameters()], batches, repl.last_run["actor_learner"]
+
+
+def test_two_learners_hold_identical_parameters_equal_to_one_learner_on_the_same_batches() -> None:
+    results = run_replicas(two_learners_job, 3, timeout_s=120, env=SHORT)
+    assert [r[0] for r in results] == ["learner", "learner", "actor"]
+    (_, first, batches0, figures), (_, second, batches1, _) = results[0], results[1]
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)  # bit for bit: one synchronous replica group
+    assert len(batches0) == len(batches1) == EQUAL_STEPS
+    assert all(len(b[0]) == 4 for b in batches0 + batches1)  # each learner samples batch_size / 2 of its shard
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for part0, part1 in zip(batches0, batches1, strict=True):
+        batch = rp.ReplaySample(*(torch.cat([a, b]) for a, b in zip(part0, part1, strict=True)),
+                                weight=torch.ones(8), key=torch.zeros(8, dtype=torch.int64), discount=torch.ones(8),
+                                next_observation=torch.zeros(8, 2))
+        regression_step(model, optimizer, batch)
+    for mine, reference in zip(first, model.parameters(), strict=True):
+        torch.testing.assert_close(mine, reference.detach(), rtol=1e-6, atol=1e-6)
+    # The one actor fed both shards (it is the only one), and the counters cover the job.
+    assert figures["learners"] == 2 and figures["samples"] == 8 * EQUAL_STEPS
+    assert figures["inserts"] >= 8 and figures["env_steps"] >= figures["inserts"]
