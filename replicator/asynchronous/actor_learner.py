@@ -73,6 +73,7 @@ class ActorLearnerRegime(Regime):
                 f"mode='actor_learner' learns from a replay (raised on {self.roles.describe()}): build "
                 "replay = rp.Replay(...) on every process and pass repl.prepare_input(replay) to run()")
         self.replay = input_fn
+        input_fn.shard_shape(self.roles.learners)  # a batch that does not split raises here, on every process
         if self.serves:
             return lambda context: []
         input_fn.bind(self.roles.learners, self.roles.index)

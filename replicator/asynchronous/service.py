@@ -79,6 +79,9 @@ class LearnerService:
         """After the last step: release every actor, wait (at most REPLICATOR_TIMEOUT) for each to say goodbye
         or die, then stop the thread."""
         self.done.set()
+        if self.abort is not None or exchange.read_abort() is not None:
+            self.close()  # the job failed: every actor raises on its own, none will say goodbye
+            return
         deadline = time.monotonic() + self.timeout_s
         while self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
             if not (self.alive - self.finished):
@@ -153,9 +156,12 @@ class LearnerService:
             else:
                 self.held[actor] = (kind, now + self.timeout_s / 2)
             return
-        if payload is not None and not self.done.is_set():
-            self._insert(actor, version, payload, count)
-        self.held[actor] = (kind, now + self.hold_s)
+        if kind == exchange.INSERT:  # answered at once: an actor that may not go on says WAIT, which is held
+            if payload is not None and not self.done.is_set():
+                self._insert(actor, version, payload, count)
+            self._reply(actor, exchange.OK, self.variables.version, self._may_go_on())
+        else:
+            self.held[actor] = (kind, now + self.hold_s)
 
     def _spec(self) -> TransitionSpec:
         if self.shard.spec is not None:

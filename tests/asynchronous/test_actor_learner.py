@@ -6,7 +6,6 @@ evaluator, as `rp.Replicator(mode="actor_learner", actors=A, evaluator=E)` lays 
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import time
@@ -31,7 +30,9 @@ def make_model() -> torch.nn.Module:
 
 
 def toy_actor(actor: rp.ActorContext, *, sleep_s: float = 0.0, steps: int | None = None) -> None:
-    """A ten-step episode: observation (t / 10, actor id), a random action, a reward that depends on both."""
+    """Ten-step episodes: observation (t / 10, actor id), a random action, a reward that depends on both.
+
+    Adds while the learners run (or `steps` times, then returns)."""
     t = 0
     while actor.running and (steps is None or actor.env_steps < steps):
         observation = torch.tensor([t / 10, float(actor.actor_id)])
@@ -43,8 +44,6 @@ def toy_actor(actor: rp.ActorContext, *, sleep_s: float = 0.0, steps: int | None
         t = 0 if t == 9 else t + 1
         if sleep_s:
             time.sleep(sleep_s)
-    while actor.running:  # done adding: wait for the learners to finish
-        time.sleep(0.01)
 
 
 def regression_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: rp.ReplaySample) -> torch.Tensor:
@@ -190,3 +189,211 @@ def test_two_learners_hold_identical_parameters_equal_to_one_learner_on_the_same
     # The one actor fed both shards (it is the only one), and the counters cover the job.
     assert figures["learners"] == 2 and figures["samples"] == 8 * EQUAL_STEPS
     assert figures["inserts"] >= 8 and figures["env_steps"] >= figures["inserts"]
+
+
+# -- the rate limiter: a slow and a fast actor ---------------------------------------------------------------------
+STEPS = 60
+
+def rate_limited_job() -> tuple[str, dict[str, Any]]:
+    repl = rp.Replicator(mode="actor_learner", actors=2)
+    replay = rp.Replay(capacity=1000, batch_size=8, samples_per_insert=4.0, tolerance=0.1, min_size=16, seed=1)
+    with repl.scope():
+        model = make_model()
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+
+    def actor_fn(actor: rp.ActorContext) -> None:
+        toy_actor(actor, sleep_s=0.05 if actor.actor_id == 0 else 0.0)  # actor 0 is slow, actor 1 fast
+
+    def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> torch.Tensor:
+        time.sleep(0.03)  # a learner slower than the fast actor, so that the limiter must hold that actor back
+        return regression_step(model, optimizer, batch)
+
+    for _ in repl.run(step_fn, repl.prepare_input(replay), steps=STEPS, actor_fn=actor_fn, update_period=10):
+        pass
+    return repl.role, repl.last_run["actor_learner"]
+
+
+def test_the_rate_limiter_keeps_samples_per_insert_within_tolerance_with_a_slow_and_a_fast_actor() -> None:
+    (_, learner), (_, slow), (_, fast) = run_replicas(rate_limited_job, 3, timeout_s=120, env=SHORT)
+    assert learner["samples"] == STEPS * 8
+    assert learner["samples_per_insert"] == pytest.approx(4.0, rel=0.1), learner
+    assert learner["target_samples_per_insert"] == 4.0
+    # The fast actor ran ahead and was held back for most of the run; the slow one much less.
+    assert fast["wait_seconds"] > 0.3 and fast["wait_seconds"] > 2 * slow["wait_seconds"], (slow, fast)
+    assert fast["transitions_sent"] > slow["transitions_sent"]
+    assert learner["env_steps"] == slow["env_steps"] + fast["env_steps"]
+
+
+# -- fresh weights: actors and the evaluator see the newest weights every update_period --------------------------
+PERIOD = 4
+
+
+class Stamped(torch.nn.Module):
+    """A model whose `stamp` buffer holds the learner step its weights come from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = make_model()
+        self.register_buffer("stamp", torch.zeros(()))
+
+
+def fresh_weights_job() -> tuple[str, Any, dict[str, Any]]:
+    repl = rp.Replicator(mode="actor_learner", actors=1, evaluator=True)
+    replay = rp.Replay(capacity=100, batch_size=2, samples_per_insert=1.0, tolerance=0.0, min_size=4)
+    with repl.scope():
+        model = Stamped()
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    seen: list[tuple[int, int, float]] = []
+
+    def actor_fn(actor: rp.ActorContext) -> None:
+        if actor.is_evaluator:
+            while actor.running:
+                actor.update_weights()
+                seen.append((actor.counters()["env_steps"], actor.version, float(model.stamp)))
+                time.sleep(0.05)
+            return
+        t = 0
+        while actor.running:
+            observation = torch.tensor([t / 10, 0.0])
+            actor.add(observation=observation, action=torch.rand(1), reward=1.0, next_observation=observation,
+                      truncated=t == 9)
+            seen.append((actor.env_steps, actor.version, float(model.stamp)))
+            t = (t + 1) % 10
+
+    def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> torch.Tensor:
+        loss = regression_step(model.linear, optimizer, batch)
+        model.stamp.fill_(repl.global_step + 1)  # the weights after this step are version global_step + 1
+        return loss
+
+    for _ in repl.run(step_fn, repl.prepare_input(replay), steps=30, actor_fn=actor_fn, update_period=PERIOD):
+        pass
+    return repl.role, seen, repl.last_run["actor_learner"]
+
+
+def test_actors_see_weights_no_older_than_the_update_period_allows() -> None:
+    (_, _, learner), (_, actor, _), (role, evaluator, _) = run_replicas(fresh_weights_job, 3, timeout_s=120,
+                                                                        env=SHORT)
+    assert role == "evaluator" and evaluator and learner["evaluator"] is True
+    for _, version, stamp in actor + evaluator:
+        assert stamp == version  # the weights in place are those of the version the actor reports
+    changed = [steps for (steps, version, _), (_, before, _) in zip(actor[1:], actor, strict=False)
+               if version != before]
+    assert changed and all(steps % PERIOD == 0 for steps in changed)  # pulls every PERIOD env steps, no others
+    # Between two pulls the actor inserts PERIOD transitions; at 1 sample per insert, batches of 2 and a band of
+    # ±1.5 samples, the learner takes at most 3 steps meanwhile (+1: it publishes just before drawing a batch).
+    lag = learner["policy_lag"]
+    assert lag["count"] == learner["inserts"] and 1 <= lag["max"] <= 4, lag
+    assert evaluator[-1][0] > 0 and [v for _, v, _ in evaluator] == sorted(v for _, v, _ in evaluator)
+
+
+# -- faults --------------------------------------------------------------------------------------------------------
+def killed_actor_job() -> tuple[str, dict[str, Any]]:
+    repl = rp.Replicator(mode="actor_learner", actors=2)
+    replay = rp.Replay(capacity=500, batch_size=4, samples_per_insert=2.0, min_size=8)
+    with repl.scope():
+        model = make_model()
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+
+    def actor_fn(actor: rp.ActorContext) -> None:
+        if actor.actor_id == 1:
+            toy_actor(actor, steps=20)
+            os.kill(os.getpid(), signal.SIGKILL)
+        toy_actor(actor, sleep_s=0.002)
+
+    def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> torch.Tensor:
+        return regression_step(model, optimizer, batch)
+
+    for _ in repl.run(step_fn, repl.prepare_input(replay), steps=60, actor_fn=actor_fn, update_period=5):
+        pass
+    return repl.role, repl.last_run
+
+
+def test_a_killed_actor_leaves_the_job_running(run_failing_fast: Callable[..., Any]) -> None:
+    with pytest.raises(ReplicaFailure) as failure:
+        run_failing_fast(killed_actor_job, 3, collective_timeout_s=15)
+    assert [(e.rank, e.kind) for e in failure.value.errors] == [(2, "died")]  # only the actor that was killed
+    (_, learner), (role, actor) = failure.value.results[0], failure.value.results[1]
+    assert learner["steps"] == 60 and role == "actor"
+    departed = learner["actor_learner"]["departed"]
+    assert list(departed) == [1] and departed[1]["how"] == "died" and departed[1]["rank"] == 2
+    assert actor["actor_learner"]["env_steps"] > 0
+
+
+def checkpointed_job(directory: str, steps: int) -> tuple[str, list[int], list[torch.Tensor], list[Any]]:
+    repl = rp.Replicator(mode="actor_learner", actors=1)
+    replay = rp.Replay(capacity=100, batch_size=4, samples_per_insert=2.0, min_size=8)
+    with repl.scope():
+        model = make_model()
+        optimizer = repl.wrap_optimizer(torch.optim.Adam(model.parameters(), lr=0.05))
+    first: list[Any] = []
+
+    def actor_fn(actor: rp.ActorContext) -> None:
+        first.append((actor.version, [p.detach().clone() for p in model.parameters()]))
+        toy_actor(actor)
+
+    def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> torch.Tensor:
+        return regression_step(model, optimizer, batch)
+
+    steps_run = [step for step, _ in repl.run(step_fn, repl.prepare_input(replay), steps=steps, actor_fn=actor_fn,
+                                              checkpoint_every=2, checkpoint_dir=directory)]
+    return repl.role, steps_run, [p.detach().clone() for p in model.parameters()], first
+
+
+def test_learners_checkpoint_and_resume_and_actors_pull_the_resumed_weights(tmp_path: Path) -> None:
+    directory = str(tmp_path / "checkpoints")
+    (_, steps, saved, _), _ = run_replicas(checkpointed_job, 2, directory, 4, timeout_s=120, env=SHORT)
+    assert steps == [0, 1, 2, 3]
+    (_, steps, _, _), (_, _, _, first) = run_replicas(checkpointed_job, 2, directory, 6, timeout_s=120, env=SHORT)
+    assert steps == [4, 5]  # resumed at step 4
+    version, weights = first[0]
+    assert version == 4  # the actor's first pull: the restored learner's weights
+    for mine, reference in zip(weights, saved, strict=True):
+        assert torch.equal(mine, reference)
+
+
+# -- bad input: a clear error on every process, never a hang ------------------------------------------------------
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda: rp.Replicator(mode="actor_learner", actors=0), "needs actors >= 1"),
+    (lambda: rp.Replicator(mode="actor_learner", actors=1), "leave no learner"),  # this test is one process
+    (lambda: rp.Replicator(actors=2), "belong to mode='actor_learner'"),
+    (lambda: rp.Replay(capacity=4, batch_size=8), "more samples per step than the replay can hold"),
+    (lambda: rp.Replay(capacity=4, batch_size=4, min_size=8), "min_size=8"),
+], ids=["no-actor", "more-roles-than-processes", "actors-without-mode", "batch>capacity", "min_size>capacity"])
+def test_bad_arguments_are_refused_before_any_group_is_built(make: Callable[[], Any], words: str) -> None:
+    with pytest.raises(ReplicatorUsageError, match=words):
+        make()
+
+
+def bad_input_job(case: str) -> None:
+    repl = rp.Replicator(mode="actor_learner", actors=2 if case == "malformed" else 1)
+    replay = rp.Replay(capacity=64, batch_size=3 if case == "uneven" else 4, samples_per_insert=None, min_size=4)
+    with repl.scope():
+        model = make_model()
+
+    def actor_fn(actor: rp.ActorContext) -> None:
+        if actor.actor_id == 1:
+            toy_actor(actor, steps=3)
+            actor.add(observation=torch.zeros(3), action=torch.zeros(1), reward=0.0, next_observation=torch.zeros(3))
+        toy_actor(actor)
+
+    def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> None:
+        time.sleep(0.01)
+
+    for _ in repl.run(step_fn, repl.prepare_input(replay), steps=10_000, actor_fn=actor_fn):
+        pass
+    del model
+
+
+@pytest.mark.parametrize(("case", "world", "words"), [
+    ("malformed", 3, ["actor 1 (rank 2)", "observation", "shape (3,) float32", "shape (2,) float32"]),
+    ("uneven", 3, ["batch_size=3", "does not split over 2 learners"]),
+])
+def test_bad_input_raises_on_every_process(run_failing_fast: Callable[..., Any], case: str, world: int,
+                                           words: list[str]) -> None:
+    started = time.monotonic()
+    with pytest.raises(ReplicaFailure) as failure:
+        run_failing_fast(bad_input_job, world, case, collective_timeout_s=60)
+    assert time.monotonic() - started < 50  # an error within seconds, not a timeout
+    assert sorted(e.rank for e in failure.value.errors) == list(range(world))
+    for error in failure.value.errors:
+        assert all(word in error.message for word in words), error
