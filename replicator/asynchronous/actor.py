@@ -50,6 +50,8 @@ class ActorContext:
         self._adder = NStepAdder(replay.n_step, replay.discount)
         self._spec: TransitionSpec | None = None
         self._turn = 0
+        self._blocked: set[int] = set()  # shards whose limiter last said this actor runs ahead
+        self._polled = 0.0
         self.started = time.monotonic()
         self.figures = {"transitions_sent": 0, "pulls": 0, "pull_seconds": 0.0, "wait_seconds": 0.0}
 
@@ -165,19 +167,41 @@ class ActorContext:
             self._spec.check(field, tensor, self.who, self._source)
 
     def _send(self, transitions: list[Transition]) -> None:
+        """Send to the shards this actor feeds, preferring those whose limiter lets it go on; wait while none does."""
         assert self._spec is not None
-        shards = shards_fed_by(self.actor_id, self._live, self.roles.learners)
+        if self._blocked and time.monotonic() - self._polled > 0.02:
+            self._poll(sorted(self._blocked))  # a shard that was ahead may have caught up since
         batches: dict[int, list[Transition]] = {}
         for transition in transitions:
-            batches.setdefault(shards[self._turn % len(shards)], []).append(transition)
+            fed = self._fed()
+            open_shards = [s for s in fed if s not in self._blocked] or fed
+            batches.setdefault(open_shards[self._turn % len(open_shards)], []).append(transition)
             self._turn += 1
         for learner, items in batches.items():
-            reply = self._request(learner, exchange.INSERT, self._spec.pack(items), len(items))
+            self._note(learner, self._request(learner, exchange.INSERT, self._spec.pack(items), len(items)))
             self.figures["transitions_sent"] += len(items)
-            started = time.monotonic()
-            while not int(reply[3]) and not self._done:  # ahead of the learners: wait until they catch up
-                reply = self._request(learner, exchange.WAIT)
-            self.figures["wait_seconds"] += time.monotonic() - started
+        started = time.monotonic()
+        while not self._done and self._blocked.issuperset(fed := self._fed()):
+            if len(fed) == 1:  # the learner holds the answer until this actor may go on (or a second passed)
+                self._note(fed[0], self._request(fed[0], exchange.WAIT, count=1))
+            else:  # several shards: ask each without being held, so the first that catches up frees this actor
+                self._poll(fed)
+                time.sleep(0.002)
+        self.figures["wait_seconds"] += time.monotonic() - started
+
+    def _fed(self) -> list[int]:
+        return shards_fed_by(self.actor_id, self._live, self.roles.learners)
+
+    def _poll(self, shards: list[int]) -> None:
+        for learner in shards:
+            self._note(learner, self._request(learner, exchange.WAIT, count=0))
+        self._polled = time.monotonic()
+
+    def _note(self, learner: int, reply: torch.Tensor) -> None:
+        if int(reply[3]):
+            self._blocked.discard(learner)
+        else:
+            self._blocked.add(learner)
 
     def _request(self, learner: int, kind: int, payload: torch.Tensor | None = None,
                  count: int = 0) -> torch.Tensor:

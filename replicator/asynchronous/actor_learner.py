@@ -194,9 +194,8 @@ class ActorLearnerRegime(Regime):
         inserts, samples, past_min = (int(v) for v in sums[:3])
         env_steps = maxima[:roles.others].tolist()
         how = {1: "died", 2: "hung"}
-        departed = {a: {"how": how[code], "rank": roles.actor_rank(a), "env_steps": env_steps[a],
-                        **service.departed.get(a, {})} for a, code in enumerate(maxima[roles.others:].tolist())
-                    if code}
+        departed = {a: {"how": how[code], "rank": roles.actor_rank(a), **service.departed.get(a, {}),
+                        "env_steps": env_steps[a]} for a, code in enumerate(maxima[roles.others:].tolist()) if code}
         seconds = time.monotonic() - self.started
         steps = self.optimizers.state.step - self.first_step
         actors_env = sum(env_steps[:roles.actors])

@@ -15,13 +15,13 @@ import torch.distributed as dist
 from replicator.asynchronous import wire
 
 __all__ = ["PULL", "INSERT", "WAIT", "BYE", "OK", "ABORTED", "LAYOUT", "REQUEST", "reply_size", "store",
-           "Keys", "lag_summary", "LAG_BINS"]
+           "Keys", "lag_summary", "LAG_BINS", "post_abort", "read_abort"]
 
 # Requests (the header's first number). PULL and BYE reuse the parameter servers' codes.
 PULL = wire.PULL  # the newest weights, now
 BYE = wire.DONE  # this actor's actor_fn returned: expect nothing more from it (no reply)
 INSERT = 4  # these transitions; answer when this actor may go on
-WAIT = 5  # nothing new: answer when this actor may go on (it ran ahead of the learners)
+WAIT = 5  # nothing new: answer when this actor may go on (count 1: hold the answer until then; 0: answer now)
 
 # Reply statuses.
 OK = wire.OK

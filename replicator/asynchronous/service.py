@@ -38,6 +38,8 @@ class LearnerService:
         self.death_grace_s = min(timeout_s / 3, 10.0)
         self.hold_s = min(1.0, timeout_s / 4)  # the longest an answer to a waiting actor is held back
         others = roles.others
+        # Who is alive, finished or gone: the thread changes it, the main thread reads it (stop_reason, finish).
+        self.roster = threading.Lock()
         self.alive = set(range(others))
         self.finished: set[int] = set()  # said BYE: their actor_fn returned
         self.departed: dict[int, dict[str, Any]] = {}
@@ -64,7 +66,8 @@ class LearnerService:
             return f"its service thread failed: {type(self.error).__name__}: {self.error}"
         if self.abort is not None:
             return self.abort
-        feeders = [a for a in range(self.roles.actors) if a in self.alive and a not in self.finished]
+        with self.roster:
+            feeders = [a for a in range(self.roles.actors) if a in self.alive and a not in self.finished]
         if not feeders:
             gone = ", ".join(f"{self.roles.name(a)} {self._how(a)}" for a in range(self.roles.actors))
             return (f"every actor has stopped ({gone}), so no experience can reach the replay: see the actors' "
@@ -84,13 +87,14 @@ class LearnerService:
             return
         deadline = time.monotonic() + self.timeout_s
         while self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
-            if not (self.alive - self.finished):
-                break
+            with self.roster:
+                if not (self.alive - self.finished):
+                    break
             time.sleep(0.01)
+        self.close()
         for actor in sorted(self.alive - self.finished):
             self._depart(actor, "hung", f"it did not stop within REPLICATOR_TIMEOUT={self.timeout_s:g} s of the "
                                         "learners' last step (actor_fn must return once actor.running is False)")
-        self.close()
 
     def close(self) -> None:
         self._stop.set()
@@ -142,13 +146,15 @@ class LearnerService:
         except RuntimeError as error:
             self._depart(actor, "died", f"it failed mid-request: {error}")
             return
-        if actor in self.departed:  # taken for dead (a stalled heartbeat), yet here: it is back
-            del self.departed[actor]
-            self.alive.add(actor)
+        with self.roster:
+            if actor in self.departed:  # taken for dead (a stalled heartbeat), yet here: it is back
+                del self.departed[actor]
+                self.alive.add(actor)
+            if kind == exchange.BYE:
+                self.finished.add(actor)
         self.beats[actor] = (self.beats[actor][0], now)
         self.env_steps[actor] = max(self.env_steps[actor], env_steps)
         if kind == exchange.BYE:
-            self.finished.add(actor)
             return
         if kind == exchange.PULL:
             if checksum != self.variables.layout.checksum:
@@ -160,8 +166,8 @@ class LearnerService:
             if payload is not None and not self.done.is_set():
                 self._insert(actor, version, payload, count)
             self._reply(actor, exchange.OK, self.variables.version, self._may_go_on())
-        else:
-            self.held[actor] = (kind, now + self.hold_s)
+        else:  # WAIT: held until this actor may go on, if it asked to be (count 1), else answered at once
+            self.held[actor] = (kind, now + (self.hold_s if count else 0.0))
 
     def _spec(self) -> TransitionSpec:
         if self.shard.spec is not None:
@@ -198,7 +204,7 @@ class LearnerService:
                 elif self.abort is not None or now > deadline:
                     del self.held[actor]
                     self._reply(actor, exchange.OK, -1, False)  # nothing yet: it asks again
-            elif go_on or now > deadline:
+            elif go_on or now >= deadline:
                 del self.held[actor]
                 self._reply(actor, exchange.OK, self.variables.version, go_on)
 
@@ -242,11 +248,12 @@ class LearnerService:
         if actor in self.departed:
             return
         seconds = time.monotonic() - self.started
-        self.departed[actor] = {"how": how, "rank": self.roles.actor_rank(actor), "env_steps": self.env_steps[actor],
-                                "seconds": round(seconds, 3), "why": why}
-        self.alive.discard(actor)
+        with self.roster:
+            self.departed[actor] = {"how": how, "rank": self.roles.actor_rank(actor),
+                                    "env_steps": self.env_steps[actor], "seconds": round(seconds, 3), "why": why}
+            self.alive.discard(actor)
         self.held.pop(actor, None)
         if self.roles.index == 0:
             left = sorted(a for a in self.alive if a < self.roles.actors)
-            print(f"replicator: learner 0: {self.roles.name(actor)} {how} after {self.env_steps[actor]} env steps, "
-                  f"{seconds:.1f} s into the run ({why}); going on with actor(s) {left}", file=sys.stderr, flush=True)
+            print(f"replicator: learner 0: {self.roles.name(actor)} {how} {seconds:.1f} s into the run ({why}); "
+                  f"going on with actor(s) {left}", file=sys.stderr, flush=True)

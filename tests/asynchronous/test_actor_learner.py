@@ -295,7 +295,7 @@ def killed_actor_job() -> tuple[str, dict[str, Any]]:
         optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
 
     def actor_fn(actor: rp.ActorContext) -> None:
-        if actor.actor_id == 1:
+        if actor.actor_id == 1:  # dies early: the learners need 60 steps x 4 samples / 2 = 120 inserts
             toy_actor(actor, steps=20)
             os.kill(os.getpid(), signal.SIGKILL)
         toy_actor(actor, sleep_s=0.002)
@@ -309,14 +309,17 @@ def killed_actor_job() -> tuple[str, dict[str, Any]]:
 
 
 def test_a_killed_actor_leaves_the_job_running(run_failing_fast: Callable[..., Any]) -> None:
+    # Two learners, two actors: actor 1 alone feeds learner 1's shard until it dies; then actor 0 feeds both.
     with pytest.raises(ReplicaFailure) as failure:
-        run_failing_fast(killed_actor_job, 3, collective_timeout_s=15)
-    assert [(e.rank, e.kind) for e in failure.value.errors] == [(2, "died")]  # only the actor that was killed
-    (_, learner), (role, actor) = failure.value.results[0], failure.value.results[1]
-    assert learner["steps"] == 60 and role == "actor"
-    departed = learner["actor_learner"]["departed"]
-    assert list(departed) == [1] and departed[1]["how"] == "died" and departed[1]["rank"] == 2
-    assert actor["actor_learner"]["env_steps"] > 0
+        run_failing_fast(killed_actor_job, 4, collective_timeout_s=15)
+    assert [(e.rank, e.kind) for e in failure.value.errors] == [(3, "died")]  # only the actor that was killed
+    results = failure.value.results
+    (_, learner0), (_, learner1), (role, actor) = results[0], results[1], results[2]
+    assert learner0["steps"] == learner1["steps"] == 60 and role == "actor"
+    for learner in (learner0, learner1):
+        departed = learner["actor_learner"]["departed"]
+        assert list(departed) == [1] and departed[1]["how"] == "died" and departed[1]["rank"] == 3
+    assert actor["actor_learner"]["env_steps"] > 20
 
 
 def checkpointed_job(directory: str, steps: int) -> tuple[str, list[int], list[torch.Tensor], list[Any]]:
