@@ -36,14 +36,16 @@ class Transition(NamedTuple):
 
 
 def as_tensor(value: Any, field: str, who: str) -> torch.Tensor:
-    """`value` (a tensor, numpy array or number) as a detached CPU tensor; a clear error for anything else."""
+    """`value` (a tensor, numpy array or number) as a detached CPU copy; a clear error for anything else.
+
+    A copy, because the N-step window keeps it for N steps and environments may reuse their buffers."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu")
+        return value.detach().to("cpu", copy=True)
     if isinstance(value, (np.ndarray, np.generic, int, float, bool)):
-        return torch.as_tensor(np.asarray(value))
+        return torch.from_numpy(np.array(value))
     if isinstance(value, (list, tuple)):
         try:
-            return torch.as_tensor(np.asarray(value))
+            return torch.from_numpy(np.array(value))
         except (TypeError, ValueError):
             pass
     raise ReplicatorUsageError(
