@@ -1,6 +1,7 @@
 """replicator: write input_fn and step_fn for one device; run them on many."""
 
 from replicator import nn
+from replicator.asynchronous import ActorContext, ActorLearnerError, Replay, ReplaySample
 from replicator.context import InputContext, ReplicaContext
 from replicator.errors import NonFiniteError, ReplicaMismatchError, ReplicatorError, ReplicatorUsageError
 from replicator.replicator import Replicator
@@ -14,5 +15,9 @@ __all__ = [
     "ReplicatorUsageError",
     "NonFiniteError",
     "nn",
+    "Replay",
+    "ReplaySample",
+    "ActorContext",
+    "ActorLearnerError",
 ]
 __version__ = "0.1.0"

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from replicator import _env
-from replicator.asynchronous import AsyncRegime, AsyncSettings, OuterOptimizer, diloco_for
+from replicator.asynchronous import AsyncSettings, OuterOptimizer, diloco_for
+from replicator.asynchronous.actor_learner import Roles, job_shape, regime_for, serves_this_run
 from replicator.context import InputContext, ReplicaContext
 from replicator.epochs import InputPosition
 from replicator.errors import ReplicatorUsageError
@@ -42,34 +43,30 @@ class Replicator:
     """Runs single-device `input_fn`/`step_fn` code on every replica of the job.
 
     Args:
-        reducer: how gradient buckets are summed across replicas: "auto" (the default:
-            through shared memory when every replica is on this node and on CPU,
-            hierarchical across CPU nodes, else one all-reduce), "flat" (one all-reduce), "shm",
-            "hierarchical" (DDL-style, per node then across nodes),
+        reducer: how gradient buckets are summed across replicas: "auto" (the default: through shared memory
+            when every replica is on this node and on CPU, hierarchical across CPU nodes, else one all-reduce),
+            "flat" (one all-reduce), "shm", "hierarchical" (DDL-style, per node then across nodes),
             "hierarchical:XxYxZ", "fp16"/"bf16" (+"+ef" error feedback), "powersgd:R" — see
             replicator.sync.reducers.REDUCER_NAMES — or an object with `reduce(buffer, group, bucket)`.
         bucket_cap_mb: gradient bucket size; larger buckets mean fewer, bigger messages.
         timeout_s: a collective that waits longer than this raises instead of hanging
             (default 300 s, or REPLICATOR_TIMEOUT).
-        debug: fingerprint every collective, gradient buckets included, and leave a trail
-            of each replica's last collective so a timeout names where stragglers were
-            (default: REPLICATOR_DEBUG=1).
-        nonfinite: what a NaN or infinite loss (anything step_fn returns) or gradient does:
-            "raise" (the default) stops every replica with an error naming the replicas and
-            the step; "skip" also checks the averaged gradients before every update and
-            skips that update on every replica (one extra read of the gradients per step);
-            "ignore" checks nothing.
+        debug: fingerprint every collective, gradient buckets included, and leave a trail of each replica's last
+            collective so a timeout names where stragglers were (default: REPLICATOR_DEBUG=1).
+        nonfinite: what a NaN or infinite loss (anything step_fn returns) or gradient does: "raise" (the default)
+            stops every replica with an error naming the replicas and the step; "skip" also checks the averaged
+            gradients before every update and skips that update on every replica (one extra read of the gradients
+            per step); "ignore" checks nothing.
         uneven_batches: "refuse" (default: unequal batch sizes raise), "weighted" (gradients and ctx.all_mean weigh
             by batch size) or batch -> count (tokens); sparse_as_dense: densify sparse gradients (Horovod's).
-        stages, chunks, schedule, recompute: pipeline model parallelism (GPipe). The job's
-            processes form replicas × stages; `repl.pipeline(layers)` returns this process's
-            stage, which splits each batch into `chunks` micro-batches and runs `schedule`
-            ("gpipe", "1f1b", "interleaved" or "zero_bubble"), re-materializing activations per
-            `recompute` ("always", "except_last" or "never"). `checkpoint=` is its old, deprecated
-            name. `virtual_stages=V` gives each stage V model chunks (interleaved: V >= 2).
-        mode: "sync" (default); "diloco" (sync groups of G train apart for `outer_every` steps, then
-            `outer_optimizer` applies their mean pseudo-gradient); "async" (the last `parameter_servers`
-            processes serve, groups of G push and pull at most `max_staleness` behind): docs/asynchronous.md.
+        stages, chunks, schedule, recompute: pipeline model parallelism (GPipe). The job's processes form
+            replicas × stages; `repl.pipeline(layers)` returns this process's stage, which splits each batch into
+            `chunks` micro-batches and runs `schedule` ("gpipe", "1f1b", "interleaved" or "zero_bubble"),
+            re-materializing activations per `recompute` ("always", "except_last" or "never"). `checkpoint=` is its
+            old, deprecated name. `virtual_stages=V` gives each stage V model chunks (interleaved: V >= 2).
+        mode: "sync" (default); "diloco" (sync groups of G train apart for `outer_every` steps, then `outer_optimizer`
+            applies their mean pseudo-gradient); "async" (the last `parameter_servers` processes serve, groups of G
+            push and pull at most `max_staleness` behind); "actor_learner" (actors, evaluator): docs/asynchronous.md.
     """
 
     def __init__(
@@ -82,15 +79,16 @@ class Replicator:
         uneven_batches: str | Callable[[Any], int] = "refuse", sparse_as_dense: bool = False,
         checkpoint: str | None = None, mode: str = "sync", sync_group_size: int = 1,
         outer_every: int | None = None, outer_optimizer: OuterOptimizer | None = None,
-        parameter_servers: int = 0, max_staleness: int | None = None,
+        parameter_servers: int = 0, max_staleness: int | None = None, actors: int = 0, evaluator: bool = False,
     ) -> None:
         recompute = resolve_recompute(recompute, checkpoint)  # checkpoint= warns: saved state is run(checkpoint_*)
         if stages < 1 or chunks < 1:
             raise ReplicatorUsageError(f"stages and chunks must be at least 1, got stages={stages}, chunks={chunks}")
         check_nonfinite_policy(nonfinite)
         settings = AsyncSettings.of(mode, parameter_servers, sync_group_size, max_staleness, stages)
-        self.job = job = Job.start(stages=stages, timeout_s=timeout_s, debug=debug, servers=parameter_servers,
-                                   group_size=sync_group_size if settings else 1)  # DiLoCo regroups on its own
+        roles = Roles.of(mode, actors, evaluator, stages)  # actor_learner's learners, actors and evaluator
+        self.job = job = Job.start(stages=stages, timeout_s=timeout_s, debug=debug,  # DiLoCo regroups on its own
+                                   **job_shape(roles, parameter_servers, sync_group_size if settings else 1))
         # Who am I, read off the job once: none of it changes while the job lives.
         self.topology, self.groups, self.device, self.context = job.topology, job.groups, job.device, job.context
         mesh = job.mesh
@@ -99,9 +97,10 @@ class Replicator:
         self.is_main = job.topology.rank == 0  # the one process that should log, print and save
         self.num_stages, self.chunks, self.schedule, self.recompute = stages, chunks, schedule, recompute
         self.virtual_stages = virtual_stages
-        self.diloco = diloco_for(job, mode, sync_group_size, outer_every, outer_optimizer, reducer, uneven_batches)
+        self.diloco = diloco_for(job, "sync" if roles else mode, sync_group_size, outer_every, outer_optimizer, reducer,
+                                 uneven_batches)
         synced = self.diloco.inner_groups if self.diloco else self.groups  # DiLoCo averages inside a sync group
-        reducer = "flat" if settings and reducer == "auto" else reducer  # async: a sync group, never the whole node
+        reducer = "flat" if (settings or roles) and reducer == "auto" else reducer  # a role group, not the node
         self.reducer = make_reducer(reducer, synced, timeout_s=job.timeout_s, device=self.device)
         job.close_with(self.reducer)
         models = self.models = ModelScope(self.groups, self.device, job.replica_agreement)
@@ -118,7 +117,8 @@ class Replicator:
         self._stages: list[PipelineStage] = []
         self._input = InputPosition(self.replica_id, self.num_replicas, self.device, self.is_main, stages)
         self._restored = False
-        self.regime = AsyncRegime.of(settings, job, self.optimizers, self._input)  # does nothing in sync mode
+        # The regime does nothing in sync mode; role: "learner", "actor" or "evaluator" in mode="actor_learner".
+        self.regime, self.role = regime_for(roles, settings, job, self.optimizers, models, self._input)
 
     @property
     def nonfinite(self) -> str:
@@ -149,9 +149,9 @@ class Replicator:
     def scope(self) -> Iterator[Replicator]:
         """Build the model and optimizers inside this block.
 
-        Modules created here are placed on this replica's device and, when the block
-        ends, every replica's parameters and buffers are overwritten with replica 0's, so
-        all replicas start identical however they were seeded.
+        Modules created here are placed on this replica's device and, when the block ends, every replica's
+        parameters and buffers are overwritten with replica 0's, so all replicas start identical however they
+        were seeded.
         """
         built = len(self._stages)
         with self.models.block(self.optimizers.parameters):
@@ -162,10 +162,10 @@ class Replicator:
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Average the optimizer's gradients across replicas before it updates.
 
-        Returns the same optimizer object (so LR schedulers and state_dict work as usual).
-        Reductions start during backward, bucket by bucket, and the backward pass ends with
-        the averages in `.grad`; `step()` averages whatever no backward pass reached. Parameter
-        groups added later with `optimizer.add_param_group` start from replica 0's values too.
+        Returns the same optimizer object (so LR schedulers and state_dict work as usual). Reductions start during
+        backward, bucket by bucket, and the backward pass ends with the averages in `.grad`; `step()` averages
+        whatever no backward pass reached. Parameter groups added later with `optimizer.add_param_group` start
+        from replica 0's values too.
         """
         self.models.check_wrappable(optimizer)
         return self.optimizers.wrap(optimizer, self.models.tensor_names)
@@ -186,10 +186,10 @@ class Replicator:
                  deferred_batchnorm: bool = False) -> PipelineStage:
         """This process's stage of `layers` (a list of modules or an nn.Sequential).
 
-        Every process builds the whole model the same way; the stage keeps its share. Call
-        `pipe.train_step(inputs, targets, loss_fn)` in step_fn and wrap an optimizer over
-        `pipe.parameters()`: gradients are then averaged across the replicas of each stage.
-        `balance` is a list of layer counts, "params", or "time" (profiled on `sample`).
+        Every process builds the whole model the same way; the stage keeps its share. Call `pipe.train_step(inputs,
+        targets, loss_fn)` in step_fn and wrap an optimizer over `pipe.parameters()`: gradients are then averaged
+        across the replicas of each stage. `balance` is a list of layer counts, "params", or "time" (profiled on
+        `sample`).
         """
         from replicator.pipeline import build_pipeline, job_hooks
 
@@ -210,9 +210,9 @@ class Replicator:
     def accumulate(self, micro_steps: int) -> None:
         """Accumulate gradients over `micro_steps` calls of step_fn before each update.
 
-        step_fn stays as for one batch (zero_grad, backward, step): zero_grad and step
-        take effect every `micro_steps` calls, only the last backward communicates, and the
-        update uses the mean over all micro-batches of all replicas.
+        step_fn stays as for one batch (zero_grad, backward, step): zero_grad and step take effect every
+        `micro_steps` calls, only the last backward communicates, and the update uses the mean over all
+        micro-batches of all replicas.
         """
         self.optimizers.accumulate(micro_steps)
 
@@ -243,23 +243,23 @@ class Replicator:
         return ReplicatedInput(self.regime.input_fn(input_fn), self._input.context, self.device)
 
     def run(self, step_fn: Callable[[ReplicaContext, Any], Any], inputs: Iterable[Any], steps: int | None = None, *,
-            epochs: int | None = None, progress: bool | None = None, warmup_steps: int = 5,
+            epochs: int | None = None, progress: bool | None = None, warmup_steps: int = 5, update_period: int = 100,
             checkpoint_every: int | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
-            keep: int = 3) -> Iterator[tuple[int, Any]]:
+            keep: int = 3, actor_fn: Callable[..., Any] | None = None) -> Iterator[tuple[int, Any]]:
         """Run `step_fn(ctx, batch)` on every replica; yield `(step, output)` for each step.
 
-        `inputs`: `repl.prepare_input(input_fn)`, a DataLoader (split across replicas) or any
-        iterable of this replica's batches. The run ends, on every replica at the same step, once
-        `steps` steps or `epochs` passes (each telling the sampler its epoch; neither: one pass) of
-        the whole training are done, restored ones included. `repl.last_run` holds its figures.
+        `inputs`: `repl.prepare_input(input_fn)`, a DataLoader (split across replicas) or any iterable of this
+        replica's batches. The run ends, on every replica at the same step, once `steps` steps or `epochs` passes
+        (each telling the sampler its epoch; neither: one pass) of the whole training are done, restored ones
+        included. `repl.last_run` holds its figures. In mode="actor_learner" actors and the evaluator call
+        `actor_fn(actor)` (actors pull weights every `update_period` env steps) and yield nothing.
 
-        With `checkpoint_dir`, a fresh Replicator first resumes from the newest complete
-        checkpoint there (parameters, optimizers, schedulers, step, epoch and place in it,
-        random generators) without reading the batches before that place; with
-        `checkpoint_every=N` it saves after every N-th step and keeps the newest `keep`.
+        With `checkpoint_dir`, a fresh Replicator first resumes from the newest complete checkpoint there
+        (parameters, optimizers, schedulers, step, epoch and place in it, random generators) without reading the
+        batches before that place; with `checkpoint_every=N` it saves after every N-th step, keeping `keep`.
         """
         check_run_arguments(steps, checkpoint_every, checkpoint_dir, self.optimizers.state.accumulation, epochs)
-        if self.regime.serves:  # a parameter server: serve the groups, step nothing
+        if serves_this_run(self.regime, actor_fn, update_period, steps):  # a parameter server, an actor, the evaluator
             self.last_run = self.regime.serve()
             return
         from replicator.checkpoint import latest

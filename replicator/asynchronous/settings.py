@@ -11,7 +11,7 @@ from replicator.topology import discover
 
 __all__ = ["AsyncSettings", "check_shardable"]
 
-MODES = ("sync", "diloco", "async")
+MODES = ("sync", "diloco", "async", "actor_learner")  # actor_learner: asynchronous.roles
 
 
 @dataclass(frozen=True)

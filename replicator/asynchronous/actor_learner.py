@@ -1,0 +1,262 @@
+"""The actor–learner regime as the facade sees it: learners train on the replay, actors and the evaluator run actor_fn.
+
+See docs/asynchronous.md. On a learner, `repl.run(step_fn, repl.prepare_input(replay), steps=N)`
+is the synchronous loop over the learners, fed by this learner's replay shard; a service thread
+meanwhile receives the actors' transitions and answers their weight pulls. On an actor or the
+evaluator, run() calls `actor_fn(actor)` once with an rp.ActorContext and yields nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from replicator.asynchronous import exchange, wire
+from replicator.asynchronous.actor import ActorContext, ActorLearnerError
+from replicator.asynchronous.regime import AsyncRegime, Regime
+from replicator.asynchronous.replay import Replay, ReplaySample
+from replicator.asynchronous.roles import Roles
+from replicator.asynchronous.service import LearnerService
+from replicator.asynchronous.settings import AsyncSettings
+from replicator.asynchronous.variables import VariableSink, VariableSource
+from replicator.context import InputContext
+from replicator.epochs import InputPosition
+from replicator.errors import ReplicatorUsageError
+from replicator.job import Job
+from replicator.scope import ModelScope
+from replicator.sync.optimizer import SyncedOptimizers
+
+__all__ = ["ActorLearnerRegime", "ActorFn", "Roles", "serves_this_run", "job_shape", "regime_for"]
+
+ActorFn = Callable[[ActorContext], Any]
+
+
+class ActorLearnerRegime(Regime):
+    """Learners, actors and an optional evaluator over one job (Roles)."""
+
+    def __init__(self, roles: Roles, job: Job, optimizers: SyncedOptimizers, models: ModelScope,
+                 position: InputPosition) -> None:
+        self.roles, self.job, self.optimizers, self.models, self.position = roles, job, optimizers, models, position
+        self.role = roles.role
+        self.serves = self.role != "learner"  # actors and the evaluator run actor_fn instead of steps
+        self.replay: Replay | None = None
+        self.actor_fn: ActorFn | None = None
+        self.update_period = 1
+        self.runs = 0
+        self.variables: VariableSource | None = None
+        self.service: LearnerService | None = None
+        self.stopped: str | None = None  # why this learner's replay stopped giving batches
+        self.sample_wait_s = 0.0
+        # Ticket numbers run on for the job's life, so a learner reads its queue with one Tickets throughout.
+        self._tickets = wire.Tickets(roles.index) if not self.serves else None
+        self._heartbeat: wire.Heartbeat | None = None
+        if self.serves:  # from the start, so learners can tell an actor still building its model from a dead one
+            self._heartbeat = wire.Heartbeat(roles.index)
+            self._heartbeat.start()
+        job.close_with(self)
+
+    @property
+    def everyone(self) -> dist.ProcessGroup:
+        everyone = self.job.groups.everyone
+        assert everyone is not None  # Roles.of refuses a job of one process
+        return everyone
+
+    def input_fn(self, input_fn: Callable[[InputContext], Iterable[Any]]) -> Callable[[InputContext], Iterable[Any]]:
+        """`repl.prepare_input(replay)`: learners read their replay shard; actors and the evaluator read nothing."""
+        if not isinstance(input_fn, Replay):
+            raise ReplicatorUsageError(
+                f"mode='actor_learner' learns from a replay (raised on {self.roles.describe()}): build "
+                "replay = rp.Replay(...) on every process and pass repl.prepare_input(replay) to run()")
+        self.replay = input_fn
+        input_fn.shard_shape(self.roles.learners)  # a batch that does not split raises here, on every process
+        if self.serves:
+            return lambda context: []
+        input_fn.bind(self.roles.learners, self.roles.index)
+        return lambda context: _Batches(self)
+
+    def configure(self, actor_fn: ActorFn | None, update_period: int, steps: int | None) -> None:
+        if actor_fn is None or not callable(actor_fn):
+            raise ReplicatorUsageError(
+                f"mode='actor_learner' needs run(..., actor_fn=fn) on every process (raised on "
+                f"{self.roles.describe()}): actors and the evaluator call fn(actor) to step their environments")
+        if update_period < 1:
+            raise ReplicatorUsageError(f"run(update_period={update_period}) must be at least 1 (env steps between "
+                                       "an actor's weight pulls)")
+        if steps is None:
+            raise ReplicatorUsageError("mode='actor_learner' needs run(steps=N): the learners' steps end the run "
+                                       "(a replay has no epochs)")
+        self.actor_fn, self.update_period = actor_fn, update_period
+
+    # -- actors and the evaluator ------------------------------------------------------------------
+    def serve(self) -> dict[str, Any]:
+        """An actor's (or the evaluator's) whole run(): pull the weights, call actor_fn, say goodbye."""
+        self.runs += 1
+        if self.replay is None:
+            raise ReplicatorUsageError(f"{self.roles.describe()}: run() got no replay; pass "
+                                       "repl.prepare_input(replay) to run() on every process, actors included")
+        sink = VariableSink(self.models.modules)
+        actor = ActorContext(self.roles, self.everyone, self.replay, sink, self.update_period, self.runs)
+        torch.manual_seed(actor.seed)  # exploration noise differs between actors, however the script seeded
+        try:
+            actor.update_weights()
+            assert self.actor_fn is not None
+            self.actor_fn(actor)
+        except ActorLearnerError:
+            raise  # another process's failure, relayed: its own message says what happened
+        except BaseException as error:
+            exchange.post_abort(f"{type(error).__name__} on {actor.who}: {error}")
+            raise
+        actor.say_goodbye()
+        return {"actor_learner": {"role": self.role, "actor": actor.actor_id, "env_steps": actor.env_steps,
+                                  "version": actor.version, "seconds": time.monotonic() - actor.started,
+                                  **actor.figures}}
+
+    # -- learners ------------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Before a learner's first step: publish the weights and start answering the actors."""
+        self.runs += 1
+        replay = self.replay
+        if replay is None or replay.shard is None:
+            raise ReplicatorUsageError(f"{self.roles.describe()}: mode='actor_learner' trains on "
+                                       "repl.prepare_input(replay); pass that to run()")
+        self.position.pending = None  # a replay has no place to resume in: a restored run refills it
+        if self.variables is None:
+            self.variables = VariableSource(self.models.modules)
+            if self.roles.index == 0:
+                exchange.store().set(exchange.Keys.layout, "\n".join(self.variables.layout.described))
+        self.variables.publish(self.optimizers.state.step)
+        self.stopped, self.sample_wait_s = None, 0.0
+        assert self._tickets is not None
+        self.service = LearnerService(self.roles, self.everyone, self._tickets, replay.shard, self.variables,
+                                      self.job.timeout_s)
+        self.service.start()
+        self.started, self.first_step = time.monotonic(), self.optimizers.state.step
+
+    def batches(self) -> Iterator[ReplaySample]:
+        """This learner's batches: publish the weights of the step just done, then sample when the limiter allows."""
+        replay, service, variables = self.replay, self.service, self.variables
+        assert replay is not None and replay.shard is not None and service is not None and variables is not None
+        shard = replay.shard
+        while True:
+            variables.publish(self.optimizers.state.step)
+            with shard.lock:
+                waited = time.monotonic()
+                while not shard.limiter.can_sample(shard.batch_size) or service.abort or service.error:
+                    reason = service.stop_reason()
+                    if reason is not None:
+                        self._stop(reason)
+                        return
+                    shard.lock.wait(0.05)
+                self.sample_wait_s += time.monotonic() - waited
+                batch = shard.sample()
+            yield batch
+
+    def _stop(self, reason: str) -> None:
+        """No more batches: every process will raise the reason (the job's first failure wins)."""
+        self.stopped = reason
+        exchange.post_abort(f"{self.roles.describe()} stopped at step {self.optimizers.state.step}: {reason}")
+
+    def finish(self) -> dict[str, Any]:
+        """After a learner's last step: release the actors, wait for them, gather the job's figures."""
+        service = self.service
+        assert service is not None
+        try:
+            exchange.store().set(exchange.Keys.done(self.runs), "1")
+        except RuntimeError:
+            pass  # the store left with its host; the actors see the learners leave
+        service.finish()
+        figures = self._figures(service)  # every learner, before any raises: none is left in the collective
+        abort = exchange.read_abort()
+        if abort is not None or self.stopped is not None:
+            raise ActorLearnerError(f"{self.roles.describe()} stops: {abort or self.stopped}")
+        if self.roles.index == 0 and figures["departed"]:
+            listing = "; ".join(f"{self.roles.name(a)} {d['how']} after {d['env_steps']} env steps"
+                                for a, d in figures["departed"].items())
+            print(f"replicator: the run finished without {listing}", file=sys.stderr, flush=True)
+        return {"actor_learner": figures}
+
+    def _figures(self, service: LearnerService) -> dict[str, Any]:
+        roles, limiter = self.roles, service.shard.limiter
+        codes = {"died": 1, "hung": 2}
+        sums = torch.tensor([limiter.inserts, limiter.samples, max(limiter.inserts - limiter.min_size, 0),
+                             *service.histogram.tolist()], dtype=torch.int64)
+        maxima = torch.tensor([*service.env_steps, *(codes.get(str(service.departed.get(a, {}).get("how")), 0)
+                                                     for a in range(roles.others))], dtype=torch.int64)
+        group = self.job.groups.replica_control
+        if roles.learners > 1 and group is not None:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        inserts, samples, past_min = (int(v) for v in sums[:3])
+        env_steps = maxima[:roles.others].tolist()
+        how = {1: "died", 2: "hung"}
+        departed = {a: {"how": how[code], "rank": roles.actor_rank(a), **service.departed.get(a, {}),
+                        "env_steps": env_steps[a]} for a, code in enumerate(maxima[roles.others:].tolist()) if code}
+        seconds = time.monotonic() - self.started
+        steps = self.optimizers.state.step - self.first_step
+        actors_env = sum(env_steps[:roles.actors])
+        replay = self.replay
+        assert replay is not None
+        return {"role": "learner", "learners": roles.learners, "actors": roles.actors, "evaluator": roles.evaluator,
+                "learner_steps": steps, "learner_steps_per_second": steps / max(seconds, 1e-9),
+                "env_steps": actors_env, "env_steps_per_second": actors_env / max(seconds, 1e-9),
+                "inserts": inserts, "samples": samples, "samples_per_insert": samples / past_min if past_min else None,
+                "target_samples_per_insert": replay.samples_per_insert,
+                "policy_lag": exchange.lag_summary(sums[3:]), "sample_wait_seconds": self.sample_wait_s,
+                "seconds": seconds, "departed": departed}
+
+    def refuse_checkpoints(self) -> None:
+        if self.serves:
+            raise ReplicatorUsageError(
+                f"{self.roles.describe()}: only learners hold the training state that checkpoints save (actors' "
+                "weights are copies of it); call repl.save()/repl.restore() under `if repl.role == 'learner':`")
+
+    def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if self.service is not None and self.service.done.is_set() is False and self.job.failing:
+            # This learner fails mid-run: the actors hear why at once rather than when a request breaks.
+            exchange.post_abort(f"{self.roles.describe()} failed; see its error")
+        if self.service is not None:
+            self.service.close()
+
+
+class _Batches:
+    """The learners' input: each pass over it is the regime's sampler (a replay has no end of its own)."""
+
+    def __init__(self, regime: ActorLearnerRegime) -> None:
+        self.regime = regime
+
+    def __iter__(self) -> Iterator[ReplaySample]:
+        return self.regime.batches()
+
+
+def serves_this_run(regime: Regime, actor_fn: ActorFn | None, update_period: int, steps: int | None) -> bool:
+    """Hand run()'s actor arguments to the actor–learner regime (other regimes refuse them); True where this process
+    serves (a parameter server, an actor, the evaluator) instead of stepping."""
+    if isinstance(regime, ActorLearnerRegime):
+        regime.configure(actor_fn, update_period, steps)
+    elif actor_fn is not None:
+        raise ReplicatorUsageError("run(actor_fn=...) belongs to rp.Replicator(mode='actor_learner', actors=A)")
+    return regime.serves
+
+
+def job_shape(roles: Roles | None, parameter_servers: int, group_size: int) -> dict[str, int]:
+    """Job.start's role arguments: actor–learner's, or the parameter servers' and their sync groups'."""
+    return roles.job_shape() if roles else {"servers": parameter_servers, "group_size": group_size}
+
+
+def regime_for(roles: Roles | None, settings: AsyncSettings | None, job: Job, optimizers: SyncedOptimizers,
+               models: ModelScope, position: InputPosition) -> tuple[Regime, str]:
+    """The job's regime and this process's role: "learner", "actor" or "evaluator" (actor–learner), "server" or
+    "worker" (parameter servers), else "replica"."""
+    if roles is not None:
+        return ActorLearnerRegime(roles, job, optimizers, models, position), roles.role
+    regime = AsyncRegime.of(settings, job, optimizers, position)
+    if isinstance(regime, AsyncRegime):
+        return regime, "server" if regime.serves else "worker"
+    return regime, "replica"
