@@ -118,7 +118,7 @@ class Replicator:
         self._stages: list[PipelineStage] = []
         self._input = InputPosition(self.replica_id, self.num_replicas, self.device, self.is_main, stages)
         self._restored = False
-        self.regime = AsyncRegime.of(settings, job, self.optimizers, self._input)  # does nothing in sync mode
+        self.regime = AsyncRegime.of(settings, job, self.optimizers, self._input, self._checkpoint_objects)
 
     @property
     def nonfinite(self) -> str:
@@ -259,14 +259,14 @@ class Replicator:
         `checkpoint_every=N` it saves after every N-th step and keeps the newest `keep`.
         """
         check_run_arguments(steps, checkpoint_every, checkpoint_dir, self.optimizers.state.accumulation, epochs)
-        if self.regime.serves:  # a parameter server: serve the groups, step nothing
-            self.last_run = self.regime.serve()
-            return
         from replicator.checkpoint import latest
 
         fresh = not self._restored and self.global_step == 0  # a fresh Replicator resumes from checkpoint_dir
         if checkpoint_dir is not None and fresh and (last := latest(checkpoint_dir)) is not None:
             self.restore(last)
+        if self.regime.serves:  # a parameter server: serve the groups (and save when they ask), step nothing
+            self.last_run = self.regime.serve()
+            return
         show = self.is_main and (_env.progress() if progress is None else progress)
         times = StepTimes(warmup_steps=warmup_steps)
         self.context.on_wait = times.add_communication
@@ -275,7 +275,7 @@ class Replicator:
         self.guard.require_identical("at the start of run()")  # parameters, buffers and optimizer state
         observers: list[Observer] = [times, Progress(steps, enabled=show), self.guard.watch_gradients()]
         if self.diloco is not None:  # first: its outer step is part of the step that the others see end
-            observers.insert(0, self.diloco.begin(self.optimizers, times.add_after_step, checkpoint_dir))
+            observers.insert(0, self.diloco.begin(self.optimizers, times.add_after_step, checkpoint_every))
         if checkpoint_every and checkpoint_dir is not None:
             observers.append(Checkpointer(checkpoint_every, functools.partial(self._save_step, checkpoint_dir, keep)))
         loop = StepLoop(self.job.agreement, self.context, self.optimizers.state, self.nonfinite)
@@ -297,15 +297,13 @@ class Replicator:
         (a crash leaves the previous checkpoint intact); `keep` prunes `path`'s directory
         to the newest `keep` checkpoints. See replicator.checkpoint.
         """
-        from replicator import checkpoint
-
-        objects = self._checkpoint_objects()  # first: the modes that cannot checkpoint yet refuse here
+        objects = self._checkpoint_objects()  # first: DiLoCo refuses to save in the middle of a round
         if self.optimizers.mid_accumulation():
             raise ReplicatorUsageError("repl.save() was called in the middle of an accumulation; save between updates")
         self.sync_buffers()
-        self.guard.require_identical(f"before saving a checkpoint at step {self.global_step}")
-        return checkpoint.save(path, **objects, step=self.global_step,
-                               input_state=self._input.state_dict(), extra=extra, keep=keep)
+        if not self.regime.serves:  # parameter servers each hold their own shard's current values
+            self.guard.require_identical(f"before saving a checkpoint at step {self.global_step}")
+        return self.regime.save(path, objects, self.global_step, self._input.state_dict(), extra, keep)
 
     def _save_step(self, directory: str | os.PathLike[str], keep: int, step: int) -> Path:
         from replicator.checkpoint import step_path
@@ -317,24 +315,20 @@ class Replicator:
         The next run() continues from its step and input position. A checkpoint of another
         model raises CheckpointMismatchError on every process, naming the keys that differ.
         """
-        from replicator import checkpoint
-
-        restored = checkpoint.restore(path, **self._checkpoint_objects())
+        restored = self.regime.restore(path, self._checkpoint_objects(path))
         self.optimizers.restart_counts()
         self.global_step = restored.step
         self._input.restored(restored)
         self._restored = True
         return restored
 
-    def _checkpoint_objects(self) -> dict[str, Any]:
+    def _checkpoint_objects(self, restoring: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         from replicator.checkpoint.training import training_objects
 
-        self.regime.refuse_checkpoints()
-        if self.diloco is not None:
-            self.diloco.refuse_checkpoints("checkpointing (repl.save(), repl.restore(), run(checkpoint_dir=))")
-        return training_objects([stage.module for stage in self._stages], self.models.modules,
-                                [w.optimizer for w in self.optimizers.wrapped], list(self.optimizers.schedulers),
-                                self.job.mesh, self.groups.control)
+        objects = training_objects([stage.module for stage in self._stages], self.models.modules,
+                                   [w.optimizer for w in self.optimizers.wrapped], list(self.optimizers.schedulers),
+                                   self.job.mesh, self.groups.control)
+        return self.diloco.checkpoint_objects(objects, self.optimizers, restoring) if self.diloco else objects
 
     def _trained_modules(self) -> list[torch.nn.Module]:
         """The modules built in scope(), or this process's pipeline stages."""

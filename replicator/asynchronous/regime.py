@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
+from replicator import checkpoint
+from replicator.asynchronous.checkpoints import restore_share, worker_state, write_cut
 from replicator.asynchronous.server import ParameterServer
 from replicator.asynchronous.settings import AsyncSettings, check_shardable
 from replicator.asynchronous.shards import ShardMap
@@ -38,8 +42,14 @@ class Regime:
         """After the last step: figures for repl.last_run."""
         return {}
 
-    def refuse_checkpoints(self) -> None:
-        """Raise where this regime cannot save or restore yet."""
+    def save(self, path: str | os.PathLike[str], objects: dict[str, Any], step: int, input_state: dict[str, Any],
+             extra: dict[str, Any] | None, keep: int | None) -> Path:
+        """Write a checkpoint (`objects`: checkpoint.save's keyword arguments); every process calls it."""
+        return checkpoint.save(path, **objects, step=step, input_state=input_state, extra=extra, keep=keep)
+
+    def restore(self, path: str | os.PathLike[str], objects: dict[str, Any]) -> checkpoint.Restored:
+        """Load a checkpoint into `objects` (checkpoint.restore's keyword arguments); every process calls it."""
+        return checkpoint.restore(path, **objects)
 
 
 class AsyncRegime(Regime):
@@ -53,14 +63,17 @@ class AsyncRegime(Regime):
     """
 
     @classmethod
-    def of(cls, settings: AsyncSettings | None, job: Job, optimizers: SyncedOptimizers,
-           position: InputPosition) -> Regime:
-        """The regime of `settings`: a plain Regime (synchronous) when None."""
-        return Regime() if settings is None else cls(settings, job, optimizers, position)
+    def of(cls, settings: AsyncSettings | None, job: Job, optimizers: SyncedOptimizers, position: InputPosition,
+           trained: Callable[[], dict[str, Any]]) -> Regime:
+        """The regime of `settings`: a plain Regime (synchronous) when None.
+
+        `trained` gives what a checkpoint holds (checkpoint.save's keyword arguments), for the
+        servers' saves in the middle of run()."""
+        return Regime() if settings is None else cls(settings, job, optimizers, position, trained)
 
     def __init__(self, settings: AsyncSettings, job: Job, optimizers: SyncedOptimizers,
-                 position: InputPosition) -> None:
-        self.settings, self.job, self.optimizers = settings, job, optimizers
+                 position: InputPosition, trained: Callable[[], dict[str, Any]]) -> None:
+        self.settings, self.job, self.optimizers, self.trained = settings, job, optimizers, trained
         mesh = self.mesh = job.mesh
         self.serves = mesh.is_server
         self._server: ParameterServer | None = None
@@ -92,23 +105,36 @@ class AsyncRegime(Regime):
     # -- a server ----------------------------------------------------------------------------
     def serve(self) -> dict[str, Any]:
         """A server's whole run(): serve, then hold the final model; returns what repl.last_run shows."""
+        return {"asynchronous": self._serving().serve()}
+
+    def _serving(self) -> ParameterServer:
         groups = self.job.groups
         assert groups.everyone is not None
         if self._server is None:
             self._server = ParameterServer(self.mesh, groups.everyone, groups.replica_control, self._shards(),
-                                           self.settings.max_staleness, self.job.timeout_s)
-        return {"asynchronous": self._server.serve()}
+                                           self.settings.max_staleness, self.job.timeout_s, self._write)
+        return self._server
+
+    def _write(self, states: dict[int, bytes]) -> Path:
+        assert self._server is not None
+        record = {"mode": "async", "parameter_servers": self.settings.parameter_servers,
+                  "sync_group_size": self.settings.sync_group_size, "workers": self.mesh.num_workers}
+        return write_cut(states, self.trained(), self.mesh, self._server.shards, self.job.groups.replica_control,
+                         record)
 
     # -- a worker ----------------------------------------------------------------------------
     def begin(self) -> None:
         """Before a worker's first step: updates go to the servers; start from their parameters."""
+        self.optimizers.update = self._exchanging().push
+        self._exchanging().pull()
+
+    def _exchanging(self) -> GroupExchange:
         groups = self.job.groups
         assert groups.everyone is not None
         if self._exchange is None:
             self._exchange = GroupExchange(self.mesh, groups.everyone, groups.replica_control, self._shards(),
                                            self.settings.max_staleness)
-        self.optimizers.update = self._exchange.push
-        self._exchange.pull()
+        return self._exchange
 
     def finish(self) -> dict[str, Any]:
         """After a worker's last step: wait for every group, take the final parameters; the run's figures."""
@@ -122,10 +148,25 @@ class AsyncRegime(Regime):
         return {"asynchronous": {"role": "worker", "group": self.mesh.group_id, "departed": dict(exchange.departed),
                                  **exchange.record.summary()}}
 
-    def refuse_checkpoints(self) -> None:
-        raise ReplicatorUsageError(
-            "mode='async' cannot save or restore checkpoints yet: the servers' parameters and optimizer state are "
-            "not written. Save after run() (every process holds the final parameters) with torch.save on one rank")
+    # -- checkpoints (see asynchronous.checkpoints) --------------------------------------------
+    def save(self, path: str | os.PathLike[str], objects: dict[str, Any], step: int, input_state: dict[str, Any],
+             extra: dict[str, Any] | None, keep: int | None) -> Path:
+        """A checkpoint of the cut at this step: a worker hands its state to the servers and waits until they have
+        written it; a server (outside run(), where it serves no request) answers the groups' saves."""
+        if self.serves:
+            self._serving().serve(until_saved=True)
+            return Path(path)
+        leader = self.mesh.rank == self.mesh.group_partition[self.mesh.group_id][0]
+        self._exchanging().save(worker_state(objects, leader=leader, path=Path(path), step=step, keep=keep,
+                                             extra=extra, input_state=input_state))
+        return Path(path)
+
+    def restore(self, path: str | os.PathLike[str], objects: dict[str, Any]) -> checkpoint.Restored:
+        """Every process loads the whole model; a server, the optimizer state of the shard it holds now (any number
+        of servers and workers may restore what any other wrote); a worker, its generators and input position."""
+        share, layout = restore_share(objects, self.mesh, self._shards())
+        return checkpoint.restore(path, **{**objects, "layout": layout, "group": self.job.groups.everyone},
+                                  share=share, rng=not self.serves)
 
     def close(self) -> None:
         if self._heartbeat is not None:

@@ -14,6 +14,7 @@ from replicator.asynchronous import wire
 from replicator.asynchronous.server import DIED, HEADER, reply_header_size
 from replicator.asynchronous.shards import ShardMap
 from replicator.asynchronous.staleness import StalenessRecord
+from replicator.checkpoint.errors import CheckpointError
 from replicator.errors import ReplicatorError
 from replicator.identity import broadcast_from_first
 from replicator.topology import Mesh
@@ -52,6 +53,14 @@ class GroupExchange:
         self.step = self.record.updates
         self._exchange(wire.PUSH, index, [index])
 
+    def save(self, state: bytes) -> None:
+        """Hand this process's `state` to the servers and wait at the checkpoint's cut until they have written it;
+        then take the parameters they hold."""
+        wire.SavedStates.put(self.mesh.rank, state)
+        if self.group is not None and self.mesh.group_size > 1:
+            dist.barrier(group=self.group)  # every member's state is in the store before the leader asks
+        self._exchange(wire.SAVE, None, range(len(self.shards.optimizers)))
+
     def finish(self) -> None:
         """Say this group is done; wait for every group to be, and take the final parameters."""
         self._exchange(wire.DONE, None, range(len(self.shards.optimizers)))
@@ -68,6 +77,9 @@ class GroupExchange:
             message = self._leader_exchange(kind, index, optimizers, verdict)
         if self.group is not None and self.mesh.group_size > 1:
             dist.broadcast(verdict, src=self.leader, group=self.group)
+        if int(verdict[0]) == wire.SAVE_FAILED:
+            raise CheckpointError(f"the parameter servers could not write the checkpoint (raised on rank "
+                                  f"{self.mesh.rank}, sync group {self.group_id}): {wire.SavedStates.error()}")
         if int(verdict[0]) != wire.OK:
             server = int(verdict[1])
             raise ServerError(message or (
@@ -104,6 +116,9 @@ class GroupExchange:
             src = self.mesh.server_ranks[server]
             try:
                 dist.recv(header, src=src, group=self.everyone, tag=wire.TAG_REPLY)
+                if int(header[0]) == wire.SAVE_FAILED:
+                    verdict[0] = wire.SAVE_FAILED
+                    return ""
                 if int(header[0]) != wire.OK:
                     return self._failed(verdict, server, "dropped this group (it sent nothing for longer than "
                                         "REPLICATOR_TIMEOUT, so the servers went on without it)", None)
