@@ -133,7 +133,7 @@ class AsyncRegime(Regime):
         assert groups.everyone is not None
         if self._exchange is None:
             self._exchange = GroupExchange(self.mesh, groups.everyone, groups.replica_control, self._shards(),
-                                           self.settings.max_staleness)
+                                           self.settings.max_staleness, self.job.timeout_s)
         return self._exchange
 
     def finish(self) -> dict[str, Any]:

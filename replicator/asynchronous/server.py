@@ -270,6 +270,8 @@ class ParameterServer:
         for book in self.books:
             book.pending.pop(group, None)
             book.pulled.pop(group, None)
+        if code == HUNG:
+            wire.Dropped.note(group, why)
         left = sorted(self.active | self.finished)
         print(f"replicator: parameter server {self.index}: sync group {group} (ranks {self.groups[group]}) "
               f"{'died' if code == DIED else 'hung'} after its step {self.last_step[group]}, {seconds:.1f} s into "

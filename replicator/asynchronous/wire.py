@@ -16,7 +16,7 @@ import time
 import torch.distributed as dist
 
 __all__ = ["PULL", "PUSH", "DONE", "SAVE", "OK", "FAILED", "SAVE_FAILED", "TAG_REQUEST", "TAG_REPLY", "Tickets",
-           "Heartbeat", "SavedStates", "idle_sleep"]
+           "Heartbeat", "SavedStates", "Dropped", "idle_sleep"]
 
 # What a request asks for (the first number of its header).
 PULL = 1  # the parameters, now
@@ -30,6 +30,7 @@ SAVE_FAILED = 2  # the checkpoint could not be written: SavedStates.error() says
 
 TAG_REQUEST = 71
 TAG_REPLY = 72
+TAG_VERDICT = 73  # a group's leader to its members
 
 _PREFIX = "replicator/async/"
 
@@ -128,6 +129,26 @@ class SavedStates:
     @classmethod
     def error(cls) -> str:
         return _store().get(f"{cls.KEY}error").decode("utf-8", errors="replace")
+
+
+class Dropped:
+    """Why the servers dropped a group as hung, in the store: read by the group when it wakes, even after the
+    servers have finished (when nobody is left to answer its request)."""
+
+    @staticmethod
+    def note(group: int, why: str) -> None:
+        try:
+            _store().set(f"{_PREFIX}dropped{group}", why)
+        except RuntimeError:  # the store went away: the job is ending
+            pass
+
+    @staticmethod
+    def read(group: int) -> str | None:
+        try:
+            store, key = _store(), f"{_PREFIX}dropped{group}"
+            return store.get(key).decode("utf-8", errors="replace") if store.check([key]) else None
+        except RuntimeError:
+            return None
 
 
 def idle_sleep(idle_since: float) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -30,8 +31,8 @@ class GroupExchange:
     """Push and pull for one sync group; every member calls the same methods at the same points."""
 
     def __init__(self, mesh: Mesh, everyone: dist.ProcessGroup, group: dist.ProcessGroup | None,
-                 shards: ShardMap, max_staleness: int | None) -> None:
-        self.mesh, self.everyone, self.group = mesh, everyone, group
+                 shards: ShardMap, max_staleness: int | None, timeout_s: float) -> None:
+        self.mesh, self.everyone, self.group, self.timeout_s = mesh, everyone, group, timeout_s
         self.group_id = mesh.group_id
         self.leader = mesh.group_partition[self.group_id][0]
         self.is_leader = mesh.rank == self.leader
@@ -69,14 +70,15 @@ class GroupExchange:
     def _exchange(self, kind: int, index: int | None, optimizers: Iterable[int]) -> None:
         optimizers = list(optimizers)
         started = time.perf_counter()
-        # The leader's verdict travels to the group first: on a server's failure every member raises
-        # the same error instead of waiting for parameters that will never come.
+        # The leader's verdict travels to the group first (point to point: see _share_verdict): on a
+        # server's failure every member raises the same error instead of waiting for parameters that
+        # will never come.
         verdict = torch.full((2 + self.num_servers,), -1, dtype=torch.int64)
         message = ""
         if self.is_leader:
             message = self._leader_exchange(kind, index, optimizers, verdict)
         if self.group is not None and self.mesh.group_size > 1:
-            dist.broadcast(verdict, src=self.leader, group=self.group)
+            self._share_verdict(verdict)
         if int(verdict[0]) == wire.SAVE_FAILED:
             raise CheckpointError(f"the parameter servers could not write the checkpoint (raised on rank "
                                   f"{self.mesh.rank}, sync group {self.group_id}): {wire.SavedStates.error()}")
@@ -90,6 +92,28 @@ class GroupExchange:
         if kind == wire.PUSH:
             self.record.values.extend(int(v) for v in verdict[2:])
         self.record.wait_seconds += time.perf_counter() - started
+
+    def _share_verdict(self, verdict: torch.Tensor) -> None:
+        """The leader's verdict to the rest of its group.
+
+        Not a broadcast: a collective gives up after REPLICATOR_TIMEOUT, and the leader itself may
+        wait that long on a server (for a slow group under a staleness bound, at a checkpoint's cut,
+        or on a server that hangs) before it knows the verdict. A member waits twice as long, so it
+        hears the leader's verdict, a ServerError naming the server, rather than a timeout of its own.
+        """
+        assert self.group is not None
+        if self.is_leader:
+            for member in self.mesh.group_partition[self.group_id][1:]:
+                dist.send(verdict, dst=member, group=self.group, tag=wire.TAG_VERDICT)
+            return
+        try:
+            dist.irecv(verdict, src=self.leader, group=self.group, tag=wire.TAG_VERDICT).wait(
+                timedelta(seconds=2 * self.timeout_s))
+        except RuntimeError as error:
+            raise ServerError(
+                f"the leader of sync group {self.group_id} (rank {self.leader}) did not say how its exchange with the "
+                f"parameter servers went within 2 x REPLICATOR_TIMEOUT ({2 * self.timeout_s:g} s; raised on rank "
+                f"{self.mesh.rank}): see the leader's own error or exit status ({error})") from error
 
     def _leader_exchange(self, kind: int, index: int | None, optimizers: list[int], verdict: torch.Tensor) -> str:
         """Request from every server, then read every answer; returns an error message, or ""."""
@@ -120,8 +144,7 @@ class GroupExchange:
                     verdict[0] = wire.SAVE_FAILED
                     return ""
                 if int(header[0]) != wire.OK:
-                    return self._failed(verdict, server, "dropped this group (it sent nothing for longer than "
-                                        "REPLICATOR_TIMEOUT, so the servers went on without it)", None)
+                    return self._dropped(verdict, server, wire.Dropped.read(self.group_id) or "")
                 verdict[2 + server] = header[1]
                 self._note_departures(header[3:])
                 for k in optimizers:
@@ -148,11 +171,21 @@ class GroupExchange:
 
     def _failed(self, verdict: torch.Tensor, server: int, what: str, error: BaseException | None) -> str:
         verdict[0], verdict[1] = wire.FAILED, server
+        if (why := wire.Dropped.read(self.group_id)) is not None:  # the servers went on without this group
+            return self._dropped(verdict, server, why)
         rank = self.mesh.server_ranks[server]
         cause = f": {error}" if error is not None else ""
         return (f"parameter server {server} (rank {rank}) {what} while sync group {self.group_id} (leader rank "
                 f"{self.leader}) was at step {self.step}{cause}. The asynchronous run cannot go on without the "
                 "parameters that server holds; see that server's own error or exit status")
+
+    def _dropped(self, verdict: torch.Tensor, server: int, why: str) -> str:
+        verdict[0], verdict[1] = wire.FAILED, server
+        return (f"parameter server {server} (rank {self.mesh.server_ranks[server]}) dropped sync group "
+                f"{self.group_id} (leader rank {self.leader}) as hung, {self.step - 1} updates into the run: "
+                f"{why or 'it sent nothing for longer than REPLICATOR_TIMEOUT'}, so the servers went on without it. "
+                f"A group that computes longer than REPLICATOR_TIMEOUT ({self.timeout_s:g} s) between optimizer "
+                "steps needs a larger REPLICATOR_TIMEOUT")
 
     def _note_departures(self, codes: torch.Tensor) -> None:
         for group, code in enumerate(codes.tolist()):
