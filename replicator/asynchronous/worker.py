@@ -107,8 +107,9 @@ class GroupExchange:
                 dist.send(verdict, dst=member, group=self.group, tag=wire.TAG_VERDICT)
             return
         try:
-            dist.irecv(verdict, src=self.leader, group=self.group, tag=wire.TAG_VERDICT).wait(
-                timedelta(seconds=2 * self.timeout_s))
+            work = dist.irecv(verdict, src=self.leader, group=self.group, tag=wire.TAG_VERDICT)
+            assert work is not None  # this process is in the group
+            work.wait(timedelta(seconds=2 * self.timeout_s))
         except RuntimeError as error:
             raise ServerError(
                 f"the leader of sync group {self.group_id} (rank {self.leader}) did not say how its exchange with the "
