@@ -271,7 +271,7 @@ class Replicator:
         times = StepTimes(warmup_steps=warmup_steps)
         self.context.on_wait = times.add_communication
         self.optimizers.set_on_wait(times.add_communication)
-        self.regime.begin()  # async: the servers' parameters, and updates through them from here on
+        self.regime.begin(times.add_communication)  # async: the servers' parameters, and updates through them
         self.guard.require_identical("at the start of run()")  # parameters, buffers and optimizer state
         observers: list[Observer] = [times, Progress(steps, enabled=show), self.guard.watch_gradients()]
         if self.diloco is not None:  # first: its outer step is part of the step that the others see end
@@ -283,8 +283,9 @@ class Replicator:
         figures = self.diloco.finish(self.reducer, self.optimizers, show) if self.diloco is not None else {}
         self.sync_buffers()
         self.guard.require_identical("at the end of run()")
-        figures |= self.regime.finish()  # async: every group done, the final parameters in place
-        self.last_run = summarize_run(self.job.agreement, times, outcome.steps, outcome.ended_early, show) | figures
+        figures |= self.regime.finish(times, show)  # async: every group done, the final parameters in place
+        table = show and not self.regime.prints_report  # async: every group's report and table, from finish()
+        self.last_run = summarize_run(self.job.agreement, times, outcome.steps, outcome.ended_early, table) | figures
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str], *, keep: int | None = None,

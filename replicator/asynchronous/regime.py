@@ -8,8 +8,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from replicator import checkpoint
 from replicator.asynchronous.checkpoints import restore_share, worker_state, write_cut
+from replicator.asynchronous.report import Reports, group_lines, print_report
 from replicator.asynchronous.server import ParameterServer
 from replicator.asynchronous.settings import AsyncSettings, check_shardable
 from replicator.asynchronous.shards import ShardMap
@@ -20,6 +23,7 @@ from replicator.epochs import InputPosition
 from replicator.errors import ReplicatorUsageError
 from replicator.job import Job
 from replicator.sync.optimizer import SyncedOptimizers
+from replicator.telemetry import StepTimes
 
 __all__ = ["AsyncRegime", "Regime"]
 
@@ -28,6 +32,7 @@ class Regime:
     """What run() hands off to around the step loop; this base does nothing (synchronous training)."""
 
     serves = False  # does this process serve instead of stepping?
+    prints_report = False  # does finish() print the run's report (its step-time table included)?
 
     def input_fn(self, input_fn: Callable[[InputContext], Iterable[Any]]) -> Callable[[InputContext], Iterable[Any]]:
         return input_fn
@@ -35,11 +40,12 @@ class Regime:
     def serve(self) -> dict[str, Any]:
         raise NotImplementedError
 
-    def begin(self) -> None:
-        """Before the first step."""
+    def begin(self, on_wait: Callable[[float], None]) -> None:
+        """Before the first step; `on_wait` is told seconds spent waiting on peers."""
 
-    def finish(self) -> dict[str, Any]:
-        """After the last step: figures for repl.last_run."""
+    def finish(self, times: StepTimes, show: bool) -> dict[str, Any]:
+        """After the last step (`times`: this process's step times; `show`: print a report): figures for
+        repl.last_run."""
         return {}
 
     def save(self, path: str | os.PathLike[str], objects: dict[str, Any], step: int, input_state: dict[str, Any],
@@ -76,6 +82,8 @@ class AsyncRegime(Regime):
         self.settings, self.job, self.optimizers, self.trained = settings, job, optimizers, trained
         mesh = self.mesh = job.mesh
         self.serves = mesh.is_server
+        self.prints_report = not self.serves
+        self._runs = 0
         self._server: ParameterServer | None = None
         self._exchange: GroupExchange | None = None
         self._heartbeat: Heartbeat | None = None
@@ -123,10 +131,14 @@ class AsyncRegime(Regime):
                          record)
 
     # -- a worker ----------------------------------------------------------------------------
-    def begin(self) -> None:
-        """Before a worker's first step: updates go to the servers; start from their parameters."""
-        self.optimizers.update = self._exchanging().push
-        self._exchanging().pull()
+    def begin(self, on_wait: Callable[[float], None]) -> None:
+        """Before a worker's first step: updates go to the servers; start from their parameters. Waits on the
+        servers count as communication in the step times."""
+        exchange = self._exchanging()
+        exchange.on_wait = on_wait
+        self.optimizers.update = exchange.push
+        self._runs += 1
+        exchange.pull()
 
     def _exchanging(self) -> GroupExchange:
         groups = self.job.groups
@@ -136,17 +148,32 @@ class AsyncRegime(Regime):
                                            self.settings.max_staleness, self.job.timeout_s)
         return self._exchange
 
-    def finish(self) -> dict[str, Any]:
-        """After a worker's last step: wait for every group, take the final parameters; the run's figures."""
-        exchange = self._exchange
-        assert exchange is not None
+    def finish(self, times: StepTimes, show: bool) -> dict[str, Any]:
+        """After a worker's last step: wait for every group, take the final parameters; the run's figures.
+
+        `groups` holds each sync group's record (updates, staleness, waits on servers during its
+        steps) and `per_replica` every worker's step times, for the main worker's report."""
+        exchange = self._exchanging()
+        reports = Reports(self._runs)
+        reports.put(self.mesh.rank, {"row": times.as_values(), **exchange.record.summary()})
+        if self.job.groups.replica_control is not None and self.mesh.group_size > 1:
+            dist.barrier(group=self.job.groups.replica_control)  # the group's figures are in before it is done
         exchange.finish()
         self.optimizers.update = None
         if self.mesh.rank == 0 and exchange.departed:
             print(f"replicator: sync group(s) {exchange.departed} left the run early; see the servers' report",
                   file=sys.stderr, flush=True)
-        return {"asynchronous": {"role": "worker", "group": self.mesh.group_id, "departed": dict(exchange.departed),
-                                 **exchange.record.summary()}}
+        found = reports.gather(list(range(self.mesh.num_workers)))
+        partition = self.mesh.group_partition
+        groups = {group: {"ranks": ranks, **{k: v for k, v in found[ranks[0]].items() if k != "row"}}
+                  for group, ranks in enumerate(partition) if ranks[0] in found}
+        per_worker = [found[rank]["row"] for rank in sorted(found)]
+        if show:
+            print_report(group_lines(groups, partition, exchange.departed, self.mesh.servers,
+                                     self.settings.max_staleness), per_worker)
+        return {"per_replica": per_worker,
+                "asynchronous": {"role": "worker", "group": self.mesh.group_id, "departed": dict(exchange.departed),
+                                 "groups": groups, **exchange.record.summary()}}
 
     # -- checkpoints (see asynchronous.checkpoints) --------------------------------------------
     def save(self, path: str | os.PathLike[str], objects: dict[str, Any], step: int, input_state: dict[str, Any],

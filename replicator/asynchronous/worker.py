@@ -4,7 +4,7 @@ every server and pulls the parameters they produce; the group's other members ge
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -42,6 +42,7 @@ class GroupExchange:
         self.record = StalenessRecord(max_staleness)
         self.departed: dict[int, str] = {}  # other groups the servers reported gone, and how
         self.step = 0
+        self.on_wait: Callable[[float], None] = lambda seconds: None  # told each exchange's seconds (step times)
 
     # -- the three requests ----------------------------------------------------------------------
     def pull(self) -> None:
@@ -91,7 +92,9 @@ class GroupExchange:
             broadcast_from_first(self.shards.whole[k].params, self.group, self.leader)
         if kind == wire.PUSH:
             self.record.values.extend(int(v) for v in verdict[2:])
-        self.record.wait_seconds += time.perf_counter() - started
+        waited = time.perf_counter() - started
+        self.record.wait_seconds += waited
+        self.on_wait(waited)
 
     def _share_verdict(self, verdict: torch.Tensor) -> None:
         """The leader's verdict to the rest of its group.
