@@ -151,8 +151,8 @@ class AsyncRegime(Regime):
     def finish(self, times: StepTimes, show: bool) -> dict[str, Any]:
         """After a worker's last step: wait for every group, take the final parameters; the run's figures.
 
-        `groups` holds each sync group's record (updates, staleness, waits on servers during its
-        steps) and `per_replica` every worker's step times, for the main worker's report."""
+        On the main worker, `groups` holds each sync group's record (updates, staleness, waits on
+        servers during its steps) and `per_replica` every worker's step times: its report."""
         exchange = self._exchanging()
         reports = Reports(self._runs)
         reports.put(self.mesh.rank, {"row": times.as_values(), **exchange.record.summary()})
@@ -163,6 +163,10 @@ class AsyncRegime(Regime):
         if self.mesh.rank == 0 and exchange.departed:
             print(f"replicator: sync group(s) {exchange.departed} left the run early; see the servers' report",
                   file=sys.stderr, flush=True)
+        figures: dict[str, Any] = {"role": "worker", "group": self.mesh.group_id,
+                                   "departed": dict(exchange.departed), **exchange.record.summary()}
+        if self.mesh.rank != 0:  # the main worker reads every group's: the store may leave with it (rank 0 holds
+            return {"asynchronous": figures}  # it under a plain multiprocessing start), so no other worker tries
         found = reports.gather(list(range(self.mesh.num_workers)))
         partition = self.mesh.group_partition
         groups = {group: {"ranks": ranks, **{k: v for k, v in found[ranks[0]].items() if k != "row"}}
@@ -171,9 +175,7 @@ class AsyncRegime(Regime):
         if show:
             print_report(group_lines(groups, partition, exchange.departed, self.mesh.servers,
                                      self.settings.max_staleness), per_worker)
-        return {"per_replica": per_worker,
-                "asynchronous": {"role": "worker", "group": self.mesh.group_id, "departed": dict(exchange.departed),
-                                 "groups": groups, **exchange.record.summary()}}
+        return {"per_replica": per_worker, "asynchronous": {**figures, "groups": groups}}
 
     # -- checkpoints (see asynchronous.checkpoints) --------------------------------------------
     def save(self, path: str | os.PathLike[str], objects: dict[str, Any], step: int, input_state: dict[str, Any],

@@ -158,8 +158,7 @@ def test_staleness_bound_holds_under_a_slow_worker_and_no_update_is_lost(max_sta
         assert figures["ranks"] == [group] and figures["updates"] == steps, figures
         assert figures["staleness"]["count"] == steps and figures["staleness"]["exceeded"] == 0, figures
         assert figures["staleness"]["bound"] == max_staleness and figures["staleness"]["max"] >= 0, figures
-    for result in results[:workers]:
-        assert result["run"]["groups"] == groups and result["per_replica"] == per_worker
+    assert all("groups" not in result["run"] for result in results[1:])  # the main worker's report only
     communication = [row[3] + row[8] for row in per_worker]  # steady and warm-up steps' communication
     if max_staleness is not None:  # the fast groups waited on the servers for the slow one, the slow one hardly
         assert groups[0]["wait_seconds"] > groups[2]["wait_seconds"] and communication[0] > communication[2]
