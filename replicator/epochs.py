@@ -209,9 +209,11 @@ class InputPosition:
         self.say(f"replicator: resumed from step {restored.step} in {restored.path} (epoch {place.epoch}, "
                  f"{place.index} batches into it)")
         saved = restored.saved_layout
-        if (saved.num_replicas, saved.num_stages) != (self.context.num_replicas, self.num_stages):
+        # Input pipelines: the replicas, or the asynchronous regime's workers (whose count its checkpoints record).
+        pipelines = self.context.num_input_pipelines
+        if (saved.num_replicas, saved.num_stages) != (pipelines, self.num_stages):
             self.say(f"replicator: warning: that checkpoint was written by {saved.num_replicas} replica(s) x "
-                     f"{saved.num_stages} stage(s), this job is {self.context.num_replicas} x {self.num_stages}: "
+                     f"{saved.num_stages} stage(s), this job is {pipelines} x {self.num_stages}: "
                      "the batches each replica reads and its random streams differ from that run's, so training goes "
                      "on but not exactly as it would have")
 

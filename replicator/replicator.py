@@ -118,7 +118,8 @@ class Replicator:
         self._input = InputPosition(self.replica_id, self.num_replicas, self.device, self.is_main, stages)
         self._restored = False
         # The regime does nothing in sync mode; role: "learner", "actor" or "evaluator" in mode="actor_learner".
-        self.regime, self.role = regime_for(roles, settings, job, self.optimizers, models, self._input)
+        self.regime, self.role = regime_for(roles, settings, job, self.optimizers, models, self._input,
+                                            self._checkpoint_objects)
 
     @property
     def nonfinite(self) -> str:
@@ -259,23 +260,24 @@ class Replicator:
         batches before that place; with `checkpoint_every=N` it saves after every N-th step, keeping `keep`.
         """
         check_run_arguments(steps, checkpoint_every, checkpoint_dir, self.optimizers.state.accumulation, epochs)
-        if serves_this_run(self.regime, actor_fn, update_period, steps):  # a parameter server, an actor, the evaluator
-            self.last_run = self.regime.serve()
-            return
+        serving = serves_this_run(self.regime, actor_fn, update_period, steps)  # a server, an actor, the evaluator
         from replicator.checkpoint import latest
 
         fresh = not self._restored and self.global_step == 0  # a fresh Replicator resumes from checkpoint_dir
-        if checkpoint_dir is not None and fresh and (last := latest(checkpoint_dir)) is not None:
+        if checkpoint_dir is not None and fresh and self.regime.restores and (last := latest(checkpoint_dir)):
             self.restore(last)
+        if serving:  # a parameter server serves the groups (and saves when they ask); actors act: no steps here
+            self.last_run = self.regime.serve()
+            return
         show = self.is_main and (_env.progress() if progress is None else progress)
         times = StepTimes(warmup_steps=warmup_steps)
         self.context.on_wait = times.add_communication
         self.optimizers.set_on_wait(times.add_communication)
-        self.regime.begin()  # async: the servers' parameters, and updates through them from here on
+        self.regime.begin(times.add_communication)  # async: the servers' parameters, and updates through them
         self.guard.require_identical("at the start of run()")  # parameters, buffers and optimizer state
         observers: list[Observer] = [times, Progress(steps, enabled=show), self.guard.watch_gradients()]
         if self.diloco is not None:  # first: its outer step is part of the step that the others see end
-            observers.insert(0, self.diloco.begin(self.optimizers, times.add_after_step, checkpoint_dir))
+            observers.insert(0, self.diloco.begin(self.optimizers, times.add_after_step, checkpoint_every))
         if checkpoint_every and checkpoint_dir is not None:
             observers.append(Checkpointer(checkpoint_every, functools.partial(self._save_step, checkpoint_dir, keep)))
         loop = StepLoop(self.job.agreement, self.context, self.optimizers.state, self.nonfinite)
@@ -283,8 +285,9 @@ class Replicator:
         figures = self.diloco.finish(self.reducer, self.optimizers, show) if self.diloco is not None else {}
         self.sync_buffers()
         self.guard.require_identical("at the end of run()")
-        figures |= self.regime.finish()  # async: every group done, the final parameters in place
-        self.last_run = summarize_run(self.job.agreement, times, outcome.steps, outcome.ended_early, show) | figures
+        figures |= self.regime.finish(times, show)  # async: every group done, the final parameters in place
+        table = show and not self.regime.prints_report  # async: every group's report and table, from finish()
+        self.last_run = summarize_run(self.job.agreement, times, outcome.steps, outcome.ended_early, table) | figures
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str], *, keep: int | None = None,
@@ -297,15 +300,13 @@ class Replicator:
         (a crash leaves the previous checkpoint intact); `keep` prunes `path`'s directory
         to the newest `keep` checkpoints. See replicator.checkpoint.
         """
-        from replicator import checkpoint
-
-        objects = self._checkpoint_objects()  # first: the modes that cannot checkpoint yet refuse here
+        objects = self._checkpoint_objects()  # first: DiLoCo refuses to save in the middle of a round
         if self.optimizers.mid_accumulation():
             raise ReplicatorUsageError("repl.save() was called in the middle of an accumulation; save between updates")
         self.sync_buffers()
-        self.guard.require_identical(f"before saving a checkpoint at step {self.global_step}")
-        return checkpoint.save(path, **objects, step=self.global_step,
-                               input_state=self._input.state_dict(), extra=extra, keep=keep)
+        if not self.regime.serves:  # parameter servers each hold their own shard's current values
+            self.guard.require_identical(f"before saving a checkpoint at step {self.global_step}")
+        return self.regime.save(path, objects, self.global_step, self._input.state_dict(), extra, keep)
 
     def _save_step(self, directory: str | os.PathLike[str], keep: int, step: int) -> Path:
         from replicator.checkpoint import step_path
@@ -317,24 +318,20 @@ class Replicator:
         The next run() continues from its step and input position. A checkpoint of another
         model raises CheckpointMismatchError on every process, naming the keys that differ.
         """
-        from replicator import checkpoint
-
-        restored = checkpoint.restore(path, **self._checkpoint_objects())
+        restored = self.regime.restore(path, self._checkpoint_objects(path))
         self.optimizers.restart_counts()
         self.global_step = restored.step
         self._input.restored(restored)
         self._restored = True
         return restored
 
-    def _checkpoint_objects(self) -> dict[str, Any]:
+    def _checkpoint_objects(self, restoring: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         from replicator.checkpoint.training import training_objects
 
-        self.regime.refuse_checkpoints()
-        if self.diloco is not None:
-            self.diloco.refuse_checkpoints("checkpointing (repl.save(), repl.restore(), run(checkpoint_dir=))")
-        return training_objects([stage.module for stage in self._stages], self.models.modules,
-                                [w.optimizer for w in self.optimizers.wrapped], list(self.optimizers.schedulers),
-                                self.job.mesh, self.groups.control)
+        objects = training_objects([stage.module for stage in self._stages], self.models.modules,
+                                   [w.optimizer for w in self.optimizers.wrapped], list(self.optimizers.schedulers),
+                                   self.job.mesh, self.groups.control)
+        return self.diloco.checkpoint_objects(objects, self.optimizers, restoring) if self.diloco else objects
 
     def _trained_modules(self) -> list[torch.nn.Module]:
         """The modules built in scope(), or this process's pipeline stages."""

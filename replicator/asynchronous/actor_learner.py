@@ -8,14 +8,17 @@ evaluator, run() calls `actor_fn(actor)` once with an rp.ActorContext and yields
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from replicator import checkpoint
 from replicator.asynchronous import exchange, wire
 from replicator.asynchronous.actor import ActorContext, ActorLearnerError
 from replicator.asynchronous.regime import AsyncRegime, Regime
@@ -30,6 +33,7 @@ from replicator.errors import ReplicatorUsageError
 from replicator.job import Job
 from replicator.scope import ModelScope
 from replicator.sync.optimizer import SyncedOptimizers
+from replicator.telemetry import StepTimes
 
 __all__ = ["ActorLearnerRegime", "ActorFn", "Roles", "serves_this_run", "job_shape", "regime_for"]
 
@@ -44,6 +48,7 @@ class ActorLearnerRegime(Regime):
         self.roles, self.job, self.optimizers, self.models, self.position = roles, job, optimizers, models, position
         self.role = roles.role
         self.serves = self.role != "learner"  # actors and the evaluator run actor_fn instead of steps
+        self.restores = not self.serves  # actors take the learners' weights, never a checkpoint
         self.replay: Replay | None = None
         self.actor_fn: ActorFn | None = None
         self.update_period = 1
@@ -117,7 +122,7 @@ class ActorLearnerRegime(Regime):
                                   **actor.figures}}
 
     # -- learners ------------------------------------------------------------------------------------
-    def begin(self) -> None:
+    def begin(self, on_wait: Callable[[float], None]) -> None:
         """Before a learner's first step: publish the weights and start answering the actors."""
         self.runs += 1
         replay = self.replay
@@ -161,7 +166,7 @@ class ActorLearnerRegime(Regime):
         self.stopped = reason
         exchange.post_abort(f"{self.roles.describe()} stopped at step {self.optimizers.state.step}: {reason}")
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self, times: StepTimes, show: bool) -> dict[str, Any]:
         """After a learner's last step: release the actors, wait for them, gather the job's figures."""
         service = self.service
         assert service is not None
@@ -209,7 +214,16 @@ class ActorLearnerRegime(Regime):
                 "policy_lag": exchange.lag_summary(sums[3:]), "sample_wait_seconds": self.sample_wait_s,
                 "seconds": seconds, "departed": departed}
 
-    def refuse_checkpoints(self) -> None:
+    def save(self, path: str | os.PathLike[str], objects: dict[str, Any], step: int, input_state: dict[str, Any],
+             extra: dict[str, Any] | None, keep: int | None) -> Path:
+        self._refuse_checkpoints()
+        return super().save(path, objects, step, input_state, extra, keep)
+
+    def restore(self, path: str | os.PathLike[str], objects: dict[str, Any]) -> checkpoint.Restored:
+        self._refuse_checkpoints()
+        return super().restore(path, objects)
+
+    def _refuse_checkpoints(self) -> None:
         if self.serves:
             raise ReplicatorUsageError(
                 f"{self.roles.describe()}: only learners hold the training state that checkpoints save (actors' "
@@ -251,12 +265,13 @@ def job_shape(roles: Roles | None, parameter_servers: int, group_size: int) -> d
 
 
 def regime_for(roles: Roles | None, settings: AsyncSettings | None, job: Job, optimizers: SyncedOptimizers,
-               models: ModelScope, position: InputPosition) -> tuple[Regime, str]:
+               models: ModelScope, position: InputPosition,
+               trained: Callable[[], dict[str, Any]]) -> tuple[Regime, str]:
     """The job's regime and this process's role: "learner", "actor" or "evaluator" (actor–learner), "server" or
     "worker" (parameter servers), else "replica"."""
     if roles is not None:
         return ActorLearnerRegime(roles, job, optimizers, models, position), roles.role
-    regime = AsyncRegime.of(settings, job, optimizers, position)
+    regime = AsyncRegime.of(settings, job, optimizers, position, trained)
     if isinstance(regime, AsyncRegime):
         return regime, "server" if regime.serves else "worker"
     return regime, "replica"

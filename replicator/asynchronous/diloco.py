@@ -12,13 +12,17 @@ momentum is local SGD (parameter averaging); with H = 1 that is synchronous trai
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from replicator.checkpoint import Share, read_info
+from replicator.checkpoint.state import named_modules, parameter_names
 from replicator.errors import ReplicatorUsageError
 from replicator.job import Job
 from replicator.sync.bucket import Bucket, Reducer, assign_buckets
@@ -106,7 +110,8 @@ class DiLoCo:
         self.outer_optimizer = outer_optimizer
         self.sync_group_size = inner_groups.mesh.num_replicas
         self.num_groups = outer_groups.mesh.num_replicas
-        self.group_id = groups.mesh.replica_id // self.sync_group_size
+        self.replica_id = groups.mesh.replica_id
+        self.group_id = self.replica_id // self.sync_group_size
         self.steps_since_outer = 0  # inner steps of the round under way (kept across runs)
         self.outer_steps = 0  # outer steps taken since the Replicator was built
         self._round: _Round | None = None
@@ -146,31 +151,68 @@ class DiLoCo:
         outer_reducer = make_reducer(reducer, outer, timeout_s=timeout_s, device=device)
         return cls(groups, inner, outer, outer_reducer, outer_every, outer_optimizer or nesterov_outer_optimizer)
 
-    # -- a run -------------------------------------------------------------------------------
-    def refuse_checkpoints(self, what: str) -> None:
-        raise ReplicatorUsageError(
-            f"{what} in mode='diloco' is not supported yet: its sync groups hold different parameters and inner "
-            "optimizer state between outer steps. Train without checkpoints, or in mode='sync'")
+    # -- checkpoints -------------------------------------------------------------------------
+    def checkpoint_objects(self, objects: dict[str, Any], optimizers: SyncedOptimizers,
+                           restoring: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        """checkpoint.save's (or, `restoring` that path, restore's) arguments for a DiLoCo job.
 
+        A DiLoCo checkpoint falls on an outer step, where every replica holds the same parameters
+        (its model), the round's start equals them, and the outer optimizer's state is the same
+        everywhere. Each sync group's inner optimizer state is saved beside the others' (under
+        "group<g>/"), the outer optimizer's under "outer/". A job with another number of groups
+        gives group g the inner state of saved group g modulo their number.
+        """
+        if restoring is None and self.steps_since_outer:
+            raise ReplicatorUsageError(
+                f"mode='diloco' saves checkpoints on outer steps only, but this is {self.steps_since_outer} steps into "
+                f"a round of outer_every={self.outer_every} (raised on replica {self.replica_id}): give run() a "
+                "checkpoint_every that is a multiple of outer_every, and call repl.save() after run() or right after "
+                "an outer step")
+        state = self._prepared(optimizers)
+        saved_groups = self.num_groups
+        if restoring is not None:
+            saved_groups = int(read_info(Path(restoring)).get("regime", {}).get("sync_groups", self.num_groups))
+            if saved_groups != self.num_groups and self.replica_id == 0:
+                print(f"replicator: the checkpoint was written by {saved_groups} DiLoCo sync group(s), this job has "
+                      f"{self.num_groups}: group g continues with saved group g mod {saved_groups}'s inner optimizer "
+                      "state", flush=True)
+            self.steps_since_outer = 0  # a checkpoint is a round's start
+        names = parameter_names(named_modules(objects["modules"]))
+        first = self.replica_id % self.sync_group_size == 0  # writes its group's records
+        share = Share(prefixes=(f"group{self.group_id % saved_groups}/",) * len(objects["optimizers"]) + ("outer/",),
+                      names={id(anchor): names[id(param)] for param, anchor in zip(state.params, state.anchors)
+                             if id(param) in names},
+                      record="stage0" if self.replica_id == 0 else f"group{self.group_id}" if first else None,
+                      regime={"mode": "diloco", "sync_groups": self.num_groups, "outer_every": self.outer_every})
+        return {**objects, "optimizers": [*objects["optimizers"], state.optimizer], "share": share}
+
+    # -- a run -------------------------------------------------------------------------------
     def begin(self, optimizers: SyncedOptimizers, on_wait: Callable[[float], None],
-              checkpoint_dir: object = None) -> DiLoCo:
+              checkpoint_every: int | None = None) -> DiLoCo:
         """Get ready for a run over the wrapped optimizers' parameters (identical on every replica now); return
         the run's observer.
 
         The outer optimizer's state lives on from run to run while the parameters trained stay
         the same; `on_wait` is told the seconds each outer step takes (a step's communication).
         """
-        if checkpoint_dir is not None:
-            self.refuse_checkpoints("run(checkpoint_dir=...)")
+        if checkpoint_every and checkpoint_every % self.outer_every:
+            raise ReplicatorUsageError(
+                f"checkpoint_every={checkpoint_every} is not a multiple of outer_every={self.outer_every} (raised on "
+                f"replica {self.replica_id}): mode='diloco' saves checkpoints on outer steps, where every replica "
+                "holds the same parameters")
         self._mid_accumulation, self._on_wait = optimizers.mid_accumulation, on_wait
         self._run_steps = self._run_outer_steps = 0
+        state = self._prepared(optimizers)
+        for param, anchor in zip(state.params, state.anchors):
+            anchor.detach().copy_(param.detach())  # the user may have changed (or restored) the weights between runs
+        return self
+
+    def _prepared(self, optimizers: SyncedOptimizers) -> _Round:
+        """The round over the wrapped optimizers' parameters, new when they changed."""
         unique = [p for p in {id(p): p for p in optimizers.parameters()}.values() if p.requires_grad]
         if self._round is None or [id(p) for p in self._round.params] != [id(p) for p in unique]:
             self._round = self._new_round(unique)
-        else:
-            for param, anchor in zip(self._round.params, self._round.anchors):
-                anchor.detach().copy_(param.detach())  # the user may have changed the weights between runs
-        return self
+        return self._round
 
     def _new_round(self, params: list[torch.Tensor]) -> _Round:
         anchors = [torch.nn.Parameter(param.detach().clone()) for param in params]

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from replicator import checkpoint
+from replicator.asynchronous.checkpoints import restore_share, worker_state, write_cut
+from replicator.asynchronous.report import Reports, group_lines, print_report
 from replicator.asynchronous.server import ParameterServer
 from replicator.asynchronous.settings import AsyncSettings, check_shardable
 from replicator.asynchronous.shards import ShardMap
@@ -16,6 +23,7 @@ from replicator.epochs import InputPosition
 from replicator.errors import ReplicatorUsageError
 from replicator.job import Job
 from replicator.sync.optimizer import SyncedOptimizers
+from replicator.telemetry import StepTimes
 
 __all__ = ["AsyncRegime", "Regime"]
 
@@ -24,6 +32,8 @@ class Regime:
     """What run() hands off to around the step loop; this base does nothing (synchronous training)."""
 
     serves = False  # does this process serve instead of stepping?
+    prints_report = False  # does finish() print the run's report (its step-time table included)?
+    restores = True  # does run(checkpoint_dir=) resume this process from a checkpoint?
 
     def input_fn(self, input_fn: Callable[[InputContext], Iterable[Any]]) -> Callable[[InputContext], Iterable[Any]]:
         return input_fn
@@ -31,15 +41,22 @@ class Regime:
     def serve(self) -> dict[str, Any]:
         raise NotImplementedError
 
-    def begin(self) -> None:
-        """Before the first step."""
+    def begin(self, on_wait: Callable[[float], None]) -> None:
+        """Before the first step; `on_wait` is told seconds spent waiting on peers."""
 
-    def finish(self) -> dict[str, Any]:
-        """After the last step: figures for repl.last_run."""
+    def finish(self, times: StepTimes, show: bool) -> dict[str, Any]:
+        """After the last step (`times`: this process's step times; `show`: print a report): figures for
+        repl.last_run."""
         return {}
 
-    def refuse_checkpoints(self) -> None:
-        """Raise where this regime cannot save or restore yet."""
+    def save(self, path: str | os.PathLike[str], objects: dict[str, Any], step: int, input_state: dict[str, Any],
+             extra: dict[str, Any] | None, keep: int | None) -> Path:
+        """Write a checkpoint (`objects`: checkpoint.save's keyword arguments); every process calls it."""
+        return checkpoint.save(path, **objects, step=step, input_state=input_state, extra=extra, keep=keep)
+
+    def restore(self, path: str | os.PathLike[str], objects: dict[str, Any]) -> checkpoint.Restored:
+        """Load a checkpoint into `objects` (checkpoint.restore's keyword arguments); every process calls it."""
+        return checkpoint.restore(path, **objects)
 
 
 class AsyncRegime(Regime):
@@ -53,16 +70,21 @@ class AsyncRegime(Regime):
     """
 
     @classmethod
-    def of(cls, settings: AsyncSettings | None, job: Job, optimizers: SyncedOptimizers,
-           position: InputPosition) -> Regime:
-        """The regime of `settings`: a plain Regime (synchronous) when None."""
-        return Regime() if settings is None else cls(settings, job, optimizers, position)
+    def of(cls, settings: AsyncSettings | None, job: Job, optimizers: SyncedOptimizers, position: InputPosition,
+           trained: Callable[[], dict[str, Any]]) -> Regime:
+        """The regime of `settings`: a plain Regime (synchronous) when None.
+
+        `trained` gives what a checkpoint holds (checkpoint.save's keyword arguments), for the
+        servers' saves in the middle of run()."""
+        return Regime() if settings is None else cls(settings, job, optimizers, position, trained)
 
     def __init__(self, settings: AsyncSettings, job: Job, optimizers: SyncedOptimizers,
-                 position: InputPosition) -> None:
-        self.settings, self.job, self.optimizers = settings, job, optimizers
+                 position: InputPosition, trained: Callable[[], dict[str, Any]]) -> None:
+        self.settings, self.job, self.optimizers, self.trained = settings, job, optimizers, trained
         mesh = self.mesh = job.mesh
         self.serves = mesh.is_server
+        self.prints_report = not self.serves
+        self._runs = 0
         self._server: ParameterServer | None = None
         self._exchange: GroupExchange | None = None
         self._heartbeat: Heartbeat | None = None
@@ -92,40 +114,89 @@ class AsyncRegime(Regime):
     # -- a server ----------------------------------------------------------------------------
     def serve(self) -> dict[str, Any]:
         """A server's whole run(): serve, then hold the final model; returns what repl.last_run shows."""
+        return {"asynchronous": self._serving().serve()}
+
+    def _serving(self) -> ParameterServer:
         groups = self.job.groups
         assert groups.everyone is not None
         if self._server is None:
             self._server = ParameterServer(self.mesh, groups.everyone, groups.replica_control, self._shards(),
-                                           self.settings.max_staleness, self.job.timeout_s)
-        return {"asynchronous": self._server.serve()}
+                                           self.settings.max_staleness, self.job.timeout_s, self._write)
+        return self._server
+
+    def _write(self, states: dict[int, bytes]) -> Path:
+        assert self._server is not None
+        record = {"mode": "async", "parameter_servers": self.settings.parameter_servers,
+                  "sync_group_size": self.settings.sync_group_size, "workers": self.mesh.num_workers}
+        return write_cut(states, self.trained(), self.mesh, self._server.shards, self.job.groups.replica_control,
+                         record)
 
     # -- a worker ----------------------------------------------------------------------------
-    def begin(self) -> None:
-        """Before a worker's first step: updates go to the servers; start from their parameters."""
+    def begin(self, on_wait: Callable[[float], None]) -> None:
+        """Before a worker's first step: updates go to the servers; start from their parameters. Waits on the
+        servers count as communication in the step times."""
+        exchange = self._exchanging()
+        exchange.on_wait = on_wait
+        self.optimizers.update = exchange.push
+        self._runs += 1
+        exchange.pull()
+
+    def _exchanging(self) -> GroupExchange:
         groups = self.job.groups
         assert groups.everyone is not None
         if self._exchange is None:
             self._exchange = GroupExchange(self.mesh, groups.everyone, groups.replica_control, self._shards(),
-                                           self.settings.max_staleness)
-        self.optimizers.update = self._exchange.push
-        self._exchange.pull()
+                                           self.settings.max_staleness, self.job.timeout_s)
+        return self._exchange
 
-    def finish(self) -> dict[str, Any]:
-        """After a worker's last step: wait for every group, take the final parameters; the run's figures."""
-        exchange = self._exchange
-        assert exchange is not None
+    def finish(self, times: StepTimes, show: bool) -> dict[str, Any]:
+        """After a worker's last step: wait for every group, take the final parameters; the run's figures.
+
+        On the main worker, `groups` holds each sync group's record (updates, staleness, waits on
+        servers during its steps) and `per_replica` every worker's step times: its report."""
+        exchange = self._exchanging()
+        reports = Reports(self._runs)
+        reports.put(self.mesh.rank, {"row": times.as_values(), **exchange.record.summary()})
+        if self.job.groups.replica_control is not None and self.mesh.group_size > 1:
+            dist.barrier(group=self.job.groups.replica_control)  # the group's figures are in before it is done
         exchange.finish()
         self.optimizers.update = None
         if self.mesh.rank == 0 and exchange.departed:
             print(f"replicator: sync group(s) {exchange.departed} left the run early; see the servers' report",
                   file=sys.stderr, flush=True)
-        return {"asynchronous": {"role": "worker", "group": self.mesh.group_id, "departed": dict(exchange.departed),
-                                 **exchange.record.summary()}}
+        figures: dict[str, Any] = {"role": "worker", "group": self.mesh.group_id,
+                                   "departed": dict(exchange.departed), **exchange.record.summary()}
+        if self.mesh.rank != 0:  # the main worker reads every group's: the store may leave with it (rank 0 holds
+            return {"asynchronous": figures}  # it under a plain multiprocessing start), so no other worker tries
+        found = reports.gather(list(range(self.mesh.num_workers)))
+        partition = self.mesh.group_partition
+        groups = {group: {"ranks": ranks, **{k: v for k, v in found[ranks[0]].items() if k != "row"}}
+                  for group, ranks in enumerate(partition) if ranks[0] in found}
+        per_worker = [found[rank]["row"] for rank in sorted(found)]
+        if show:
+            print_report(group_lines(groups, partition, exchange.departed, self.mesh.servers,
+                                     self.settings.max_staleness), per_worker)
+        return {"per_replica": per_worker, "asynchronous": {**figures, "groups": groups}}
 
-    def refuse_checkpoints(self) -> None:
-        raise ReplicatorUsageError(
-            "mode='async' cannot save or restore checkpoints yet: the servers' parameters and optimizer state are "
-            "not written. Save after run() (every process holds the final parameters) with torch.save on one rank")
+    # -- checkpoints (see asynchronous.checkpoints) --------------------------------------------
+    def save(self, path: str | os.PathLike[str], objects: dict[str, Any], step: int, input_state: dict[str, Any],
+             extra: dict[str, Any] | None, keep: int | None) -> Path:
+        """A checkpoint of the cut at this step: a worker hands its state to the servers and waits until they have
+        written it; a server (outside run(), where it serves no request) answers the groups' saves."""
+        if self.serves:
+            self._serving().serve(until_saved=True)
+            return Path(path)
+        leader = self.mesh.rank == self.mesh.group_partition[self.mesh.group_id][0]
+        self._exchanging().save(worker_state(objects, leader=leader, path=Path(path), step=step, keep=keep,
+                                             extra=extra, input_state=input_state))
+        return Path(path)
+
+    def restore(self, path: str | os.PathLike[str], objects: dict[str, Any]) -> checkpoint.Restored:
+        """Every process loads the whole model; a server, the optimizer state of the shard it holds now (any number
+        of servers and workers may restore what any other wrote); a worker, its generators and input position."""
+        share, layout = restore_share(objects, self.mesh, self._shards())
+        return checkpoint.restore(path, **{**objects, "layout": layout, "group": self.job.groups.everyone},
+                                  share=share, rng=not self.serves)
 
     def close(self) -> None:
         if self._heartbeat is not None:

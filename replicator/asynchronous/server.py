@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,8 @@ class ParameterServer:
     """Serves its shard of every wrapped optimizer until every sync group has finished or left."""
 
     def __init__(self, mesh: Mesh, everyone: dist.ProcessGroup, servers: dist.ProcessGroup | None,
-                 shards: ShardMap, max_staleness: int | None, timeout_s: float) -> None:
+                 shards: ShardMap, max_staleness: int | None, timeout_s: float,
+                 on_save: Callable[[dict[int, bytes]], object]) -> None:
         self.mesh, self.everyone, self.servers_group = mesh, everyone, servers
         self.index = mesh.rank - mesh.num_workers
         self.groups = mesh.group_partition
@@ -65,14 +67,20 @@ class ParameterServer:
         self.departed: dict[int, dict[str, Any]] = {}
         self.applied = [0] * len(self.groups)  # gradients applied, per group
         self._sending: dict[int, list[Any]] = {}
+        self.on_save = on_save  # writes a checkpoint from the workers' states, by rank (every server calls it)
+        self.saving: set[int] = set()  # groups waiting at a checkpoint's cut
 
     # -- the loop ----------------------------------------------------------------------------
-    def serve(self) -> dict[str, Any]:
-        """Answer requests until no group is left; then give every server the whole model."""
+    def serve(self, until_saved: bool = False) -> dict[str, Any]:
+        """Answer requests until no group is left; then give every server the whole model.
+
+        `until_saved`: outside run(), answer the groups' checkpoint requests, then return.
+        """
         started = self.started = time.monotonic()
         groups = range(len(self.groups))
         self.active = set(groups) - set(self.departed)
         self.finished: set[int] = set()
+        self.saving = set()
         for book in self.books:
             book.pulled = dict.fromkeys(self.active, book.version)
         self.last_heard = dict.fromkeys(groups, started)
@@ -87,10 +95,14 @@ class ParameterServer:
                     checked = now
                     self._check_liveness(now)
                 wire.idle_sleep(idle_since)
-                continue
-            idle_since = now
-            self._handle(group)
-            self._advance()
+            else:
+                idle_since = now
+                self._handle(group)
+                self._advance()
+            if self.saving and self.active <= self.saving:  # every group still in the run is at the cut
+                self._save()
+                if until_saved:
+                    return {}
         for group in sorted(self.finished):
             self._reply(group, -1, range(len(self.books)))
         self._drain()
@@ -120,6 +132,8 @@ class ParameterServer:
         elif kind == wire.PUSH:
             assert gradient is not None
             self.books[optimizer].pending[group] = gradient
+        elif kind == wire.SAVE:
+            self.saving.add(group)
         elif kind == wire.DONE:
             self.active.discard(group)
             self.finished.add(group)
@@ -149,7 +163,7 @@ class ParameterServer:
         With S = 0 that is every group's gradient each round: bulk-synchronous training."""
         if self.bound is None:
             return True
-        computing = [g for g in self.active if g not in book.pending]
+        computing = [g for g in self.active if g not in book.pending and g not in self.saving]
         return all(book.version + 1 - book.pulled[g] <= self.bound for g in computing)
 
     def _apply(self, index: int, book: _Book) -> None:
@@ -177,6 +191,29 @@ class ParameterServer:
             self.applied[group] += 1
             book.pulled[group] = book.version
             self._reply(group, staleness, [index])
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def _save(self) -> None:
+        """Write the checkpoint of the cut every waiting group stands at, then let them go on from the parameters now.
+
+        No group computes meanwhile, so no update falls between one server's snapshot and another's."""
+        waiting = sorted(self.saving)
+        ranks = [rank for group in waiting for rank in self.groups[group]]
+        try:
+            self.on_save(wire.SavedStates.take(ranks))
+        except Exception as error:
+            wire.SavedStates.fail(f"parameter server {self.index} (rank {self.mesh.rank}): {error}")
+            for group in waiting:
+                self._reply(group, -1, [], status=wire.SAVE_FAILED)
+            self._drain()
+            raise
+        if self.index == 0:  # every server has read them: the save ended with the servers' barrier
+            wire.SavedStates.drop(ranks)
+        self.saving.clear()
+        for group in waiting:
+            self._reply(group, -1, range(len(self.books)))
+            for book in self.books:
+                book.pulled[group] = book.version
 
     # -- replies -----------------------------------------------------------------------------
     def _reply(self, group: int, staleness: int, optimizers: Any, status: int = wire.OK) -> None:
@@ -214,7 +251,7 @@ class ParameterServer:
             elif now - since > self.death_grace_s:
                 self._depart(group, DIED, f"its heartbeat stopped {now - since:.0f} s ago")
                 continue
-            waited_on = any(group in book.pending for book in self.books)
+            waited_on = group in self.saving or any(group in book.pending for book in self.books)
             if not waited_on and now - self.last_heard[group] > self.timeout_s:
                 self._depart(group, HUNG, f"it sent nothing for {now - self.last_heard[group]:.0f} s "
                                           f"(REPLICATOR_TIMEOUT={self.timeout_s:g})")
@@ -228,10 +265,13 @@ class ParameterServer:
                                 "seconds": seconds, "ranks": self.groups[group], "why": why}
         self.active.discard(group)
         self.finished.discard(group)
+        self.saving.discard(group)
         self._sending.pop(group, None)
         for book in self.books:
             book.pending.pop(group, None)
             book.pulled.pop(group, None)
+        if code == HUNG:
+            wire.Dropped.note(group, why)
         left = sorted(self.active | self.finished)
         print(f"replicator: parameter server {self.index}: sync group {group} (ranks {self.groups[group]}) "
               f"{'died' if code == DIED else 'hung'} after its step {self.last_step[group]}, {seconds:.1f} s into "

@@ -15,18 +15,22 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["PULL", "PUSH", "DONE", "OK", "FAILED", "TAG_REQUEST", "TAG_REPLY", "Tickets", "Heartbeat", "idle_sleep"]
+__all__ = ["PULL", "PUSH", "DONE", "SAVE", "OK", "FAILED", "SAVE_FAILED", "TAG_REQUEST", "TAG_REPLY", "Tickets",
+           "Heartbeat", "SavedStates", "Dropped", "idle_sleep"]
 
 # What a request asks for (the first number of its header).
 PULL = 1  # the parameters, now
 PUSH = 2  # apply this gradient, then answer with the parameters it produced
 DONE = 3  # this group has finished: answer with the final parameters once every group has
+SAVE = 4  # checkpoint at this cut: answer with the parameters once every group is here and it is written
 
 OK = 0
 FAILED = 1
+SAVE_FAILED = 2  # the checkpoint could not be written: SavedStates.error() says why
 
 TAG_REQUEST = 71
 TAG_REPLY = 72
+TAG_VERDICT = 73  # a group's leader to its members
 
 _PREFIX = "replicator/async/"
 
@@ -96,6 +100,55 @@ class Heartbeat:
 
     def read(self) -> int:
         return int(_store().add(self.key, 0))
+
+
+class SavedStates:
+    """What each worker hands the servers for a checkpoint, in the job's store (tagged JSON, never unpickled)."""
+
+    KEY = f"{_PREFIX}save/"
+
+    @classmethod
+    def put(cls, rank: int, state: bytes) -> None:
+        _store().set(f"{cls.KEY}rank{rank}", state.decode("ascii"))  # tagged JSON is ASCII
+
+    @classmethod
+    def take(cls, ranks: list[int]) -> dict[int, bytes]:
+        store = _store()
+        return {rank: store.get(f"{cls.KEY}rank{rank}") for rank in ranks}
+
+    @classmethod
+    def drop(cls, ranks: list[int]) -> None:
+        store = _store()
+        for rank in ranks:
+            store.delete_key(f"{cls.KEY}rank{rank}")
+
+    @classmethod
+    def fail(cls, message: str) -> None:
+        _store().set(f"{cls.KEY}error", message)
+
+    @classmethod
+    def error(cls) -> str:
+        return _store().get(f"{cls.KEY}error").decode("utf-8", errors="replace")
+
+
+class Dropped:
+    """Why the servers dropped a group as hung, in the store: read by the group when it wakes, even after the
+    servers have finished (when nobody is left to answer its request)."""
+
+    @staticmethod
+    def note(group: int, why: str) -> None:
+        try:
+            _store().set(f"{_PREFIX}dropped{group}", why)
+        except RuntimeError:  # the store went away: the job is ending
+            pass
+
+    @staticmethod
+    def read(group: int) -> str | None:
+        try:
+            store, key = _store(), f"{_PREFIX}dropped{group}"
+            return store.get(key).decode("utf-8", errors="replace") if store.check([key]) else None
+        except RuntimeError:
+            return None
 
 
 def idle_sleep(idle_since: float) -> None:

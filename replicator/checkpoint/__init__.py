@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +38,12 @@ from replicator.checkpoint.files import (
     step_path,
     write_json,
 )
-from replicator.checkpoint.layout import Layout
+from replicator.checkpoint.layout import Layout, Share
 from replicator.checkpoint.rng import fresh_seed, rng_tensors, set_rng
 from replicator.checkpoint.safe_load import SafeReader, TensorsOnlyPlanner, tensor_metadata
 from replicator.checkpoint.state import (
     check_model,
+    listing,
     model_state,
     named_modules,
     optimizer_state,
@@ -56,6 +58,7 @@ from replicator.errors import ReplicatorUsageError
 
 __all__ = [
     "Layout",
+    "Share",
     "Restored",
     "CheckpointError",
     "CheckpointMismatchError",
@@ -78,6 +81,7 @@ class Restored:
     extra: dict[str, Any]
     saved_layout: Layout  # replica/stage counts of the job that wrote it (replica = stage = 0)
     rng_restored: bool  # False: this process had no saved streams and was seeded afresh
+    regime: dict[str, Any] = field(default_factory=dict)  # what the asynchronous modes wrote (Share.regime)
 
 
 _ALONE = Layout()  # replica 0 of 1, stage 0 of 1: a job of one process
@@ -100,6 +104,7 @@ def save(
     layout: Layout = _ALONE,
     group: dist.ProcessGroup | None = None,
     keep: int | None = None,
+    share: Share | None = None,
 ) -> Path:
     """Write a checkpoint to `path` atomically; every process of `group` calls it together.
 
@@ -117,6 +122,9 @@ def save(
         group: a process group spanning the whole job that can reduce CPU tensors (Gloo):
             Replicator's `groups.control`. None on one process.
         keep: afterwards keep only the newest `keep` checkpoints of `path`'s directory.
+        share: where processes hold different state (the asynchronous modes), what this one
+            writes (see Share); by default every replica writes the same and stage s's
+            replica 0 its records.
 
     Replicated tensors (every replica has the same) are written once: DCP deduplicates
     them across the group. Files go to `<path>.partial`; after every process has written
@@ -125,12 +133,13 @@ def save(
     """
     path = Path(path)
     partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    share = share or Share(record=f"stage{layout.stage}" if layout.replica == 0 else None)
     rank = rank_in(group)
     failure: Exception | None = None
     try:
         if keep is not None and keep < 1:
             raise ReplicatorUsageError(f"keep must be at least 1 (the checkpoint being written), got {keep}")
-        tensors, stage_record, job = _gather(modules, optimizers, schedulers, step, input_state, extra, layout)
+        tensors, stage_record, job = _gather(modules, optimizers, schedulers, step, input_state, extra, layout, share)
     except Exception as error:  # e.g. a value JSON cannot hold: every process must learn of it, or the rest would wait
         failure = error
     if not everyone_agrees(failure is None, group):
@@ -145,8 +154,8 @@ def save(
     with quiet_dcp():
         dcp.save(tensors, storage_writer=FileSystemWriter(partial, sync_files=True),
                  process_group=group if distributed(group) else None, no_dist=not distributed(group))
-    if layout.replica == 0:
-        write_json(partial / f"stage{layout.stage}.json", stage_record)
+    if share.record is not None:
+        write_json(partial / f"{share.record}.json", stage_record)
     if _after_write is not None:
         _after_write(partial)
     barrier(group)  # every shard and stage file is on disk
@@ -168,14 +177,16 @@ def _gather(
     input_state: Mapping[str, Any] | None,
     extra: Mapping[str, Any] | None,
     layout: Layout,
+    share: Share,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """This process's tensors for DCP, its stage's JSON record and the job's JSON record."""
     named = named_modules(modules)
-    tensors = model_state(named)
-    names = parameter_names(named)
+    tensors = {key: value for key, value in model_state(named).items() if share.has(key)}
+    tensors.update(share.tensors)
+    names = {**share.names, **parameter_names(named)}
     optimizer_records = []
     for index, optimizer in enumerate(optimizers):
-        optimizer_tensors, record = optimizer_state(optimizer, names, index)
+        optimizer_tensors, record = optimizer_state(optimizer, names, index, share.prefix(index), share.owns)
         tensors.update(optimizer_tensors)
         optimizer_records.append(record)
     scheduler_records = [scheduler_state(scheduler, index) for index, scheduler in enumerate(schedulers)]
@@ -186,7 +197,7 @@ def _gather(
             local[f"input/{key}"] = value
         else:
             job_input[key] = to_json(value, f"input_state[{key!r}]")
-    for key, value in local.items():
+    for key, value in local.items() if share.local else ():
         tensors[f"_local/{layout.tag}/{key}"] = value.detach().cpu()
     job = {
         "format": FORMAT,
@@ -198,6 +209,8 @@ def _gather(
         "extra": to_json(dict(extra or {}), "extra"),
         "torch": torch.__version__,
     }
+    if share.regime:
+        job["regime"] = to_json(dict(share.regime), "the regime's record")
     return tensors, {"optimizers": optimizer_records, "schedulers": scheduler_records}, job
 
 
@@ -210,6 +223,7 @@ def restore(
     layout: Layout = _ALONE,
     group: dist.ProcessGroup | None = None,
     rng: bool = True,
+    share: Share | None = None,
 ) -> Restored:
     """Load a checkpoint into the given objects in place; every process of `group` calls it.
 
@@ -227,22 +241,28 @@ def restore(
 
     Nothing is unpickled: tensors load with weights_only, DCP's metadata through an
     allow-list of its own record types, and everything else is JSON.
+
+    `share` (the asynchronous modes) names the optimizer state this process loads, under which
+    names, and more tensors to load in place; every process loads the whole model.
     """
     path = Path(path)
+    share = share or Share()
     failure: Exception | None = None
     try:
         named = named_modules(modules)
         info = read_info(path)
-        stage_files = sorted(path.glob("stage*.json"))
-        stages = {int(p.stem[5:]): from_json(json.loads(p.read_text())) for p in stage_files}
+        # Optimizer records merge by parameter name over every record file: stages, servers, sync groups.
+        records = {p.stem: from_json(json.loads(p.read_text())) for p in sorted(path.glob("*.json"))
+                   if p.name != JOB_FILE}
+        stages = {int(stem[5:]): record for stem, record in records.items() if re.fullmatch(r"stage\d+", stem)}
         available = tensor_metadata(path)
         target = model_state(named)
         mismatch = check_model(target, available, partial=layout.num_stages > 1)
         if mismatch:
             raise CheckpointMismatchError(f"checkpoint {path} does not match the model: {mismatch}")
-        names = parameter_names(named)
+        names = {**share.names, **parameter_names(named)}
         optimizer_loads = [
-            plan_optimizer(optimizer, names, index, stages, available, target)
+            plan_optimizer(optimizer, names, index, records, available, target, share.prefix(index), share.owns)
             for index, optimizer in enumerate(optimizers)
         ]
         scheduler_states = plan_schedulers(schedulers, stages, info, layout)
@@ -250,10 +270,15 @@ def restore(
         # Per-process state belongs to a (replica, stage) of the same stage split only.
         same_split = int(info["num_stages"]) == layout.num_stages
         local_prefix = f"_local/{layout.tag}/"
-        local_keys = [k for k in available if same_split and k.startswith(local_prefix)]
+        local_keys = [k for k in available if share.local and same_split and k.startswith(local_prefix)]
         for key in local_keys:
             spec = available[key]
             target[key] = torch.empty(tuple(spec.size), dtype=spec.properties.dtype)
+        absent = [f"{key} {tuple(value.shape)}" for key, value in share.tensors.items()
+                  if key not in available or tuple(available[key].size) != tuple(value.shape)]
+        if absent:
+            raise CheckpointMismatchError(f"checkpoint {path} lacks (or holds other shapes of) {listing(absent)}")
+        target.update(share.tensors)
     except Exception as error:  # shared below, so that no process waits in dcp.load for one that gave up
         failure = error
     if not everyone_agrees(failure is None, group):
@@ -286,4 +311,5 @@ def restore(
             fresh_seed(step, layout)
     input_state = dict(from_json(info["input"]))
     input_state.update({k[6:]: v for k, v in local.items() if k.startswith("input/")})
-    return Restored(path, step, input_state, from_json(info["extra"]), saved_layout, restored_rng)
+    return Restored(path, step, input_state, from_json(info["extra"]), saved_layout, restored_rng,
+                    dict(from_json(info.get("regime", {}))))

@@ -58,8 +58,9 @@ def parameter_names(named: Mapping[str, nn.Module]) -> dict[int, str]:
     return names
 
 
-def optimizer_params(optimizer: torch.optim.Optimizer, names: Mapping[int, str], index: int) -> list[list[str]]:
-    """Each parameter group's parameters by name: the stable identity that survives resharding."""
+def optimizer_params(optimizer: torch.optim.Optimizer, names: Mapping[int, str], index: int,
+                     prefix: str = "") -> list[list[str]]:
+    """Each parameter group's parameters by name (after `prefix`): the stable identity that survives resharding."""
     groups: list[list[str]] = []
     for group in optimizer.param_groups:
         listed: list[str] = []
@@ -69,27 +70,33 @@ def optimizer_params(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
                     f"optimizer {index} holds a parameter of shape {tuple(param.shape)} that is in none of the modules "
                     "passed to the checkpoint; pass every module whose parameters the optimizers update"
                 )
-            listed.append(names[id(param)])
+            listed.append(prefix + names[id(param)])
         groups.append(listed)
     return groups
 
 
 def optimizer_state(
-    optimizer: torch.optim.Optimizer, names: Mapping[int, str], index: int
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str], index: int, prefix: str = "",
+    owns: Callable[[str], bool] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """torch's optimizer state_dict with parameter numbers replaced by parameter names.
+    """torch's optimizer state_dict with parameter numbers replaced by parameter names (after `prefix`).
+
+    With `owns`, only the state of the parameters it names (unprefixed) is kept: a parameter
+    server's shard. The parameter groups and their options list every parameter.
 
     (torch's get_optimizer_state_dict would do this too, but on an optimizer without state
     it first runs a zero-learning-rate step, which on a wrapped optimizer is a gradient
     all-reduce and, for Adam, leaves step=1 behind.)
     """
-    groups = optimizer_params(optimizer, names, index)
+    groups = optimizer_params(optimizer, names, index, prefix)
     order = [name for group in groups for name in group]
     state_dict = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for number, entry in state_dict["state"].items():
         name = order[int(number)]
+        if owns is not None and not owns(name[len(prefix):]):
+            continue
         for key, value in entry.items():
             if isinstance(value, torch.Tensor):
                 tensors[f"_optim/{name}/{key}"] = value
@@ -145,16 +152,23 @@ def plan_optimizer(
     optimizer: torch.optim.Optimizer,
     names: Mapping[int, str],
     index: int,
-    stages: Mapping[int, Any],
+    records: Mapping[str, Any],
     available: Mapping[str, TensorStorageMetadata],
     target: dict[str, torch.Tensor],
+    prefix: str = "",
+    owns: Callable[[str], bool] | None = None,
 ) -> Callable[[Mapping[str, torch.Tensor]], dict[str, Any]]:
-    """Add this optimizer's tensors to `target`; return what builds its state_dict once they are loaded."""
-    groups = optimizer_params(optimizer, names, index)
-    # Every saved parameter group of every stage, by parameter name (stages own disjoint names).
+    """Add this optimizer's tensors to `target`; return what builds its state_dict once they are loaded.
+
+    `records` are every record file's; `prefix` and `owns` as for `optimizer_state` (state is
+    loaded only for the parameters `owns` names).
+    """
+    groups = optimizer_params(optimizer, names, index, prefix)
+    # Every saved parameter group of every record, by parameter name (stages own disjoint names;
+    # parameter servers list the same groups, each with the state of its own shard).
     saved_group: dict[str, tuple[str, dict[str, Any]]] = {}
     scalars: dict[str, dict[str, Any]] = {}
-    for stage in stages.values():
+    for stage in records.values():
         for record in stage["optimizers"]:
             for group in record["param_groups"]:
                 for name in group["params"]:
@@ -187,14 +201,14 @@ def plan_optimizer(
     for key, spec in available.items():
         if key.startswith("_optim/"):
             name, _, state_key = key[len("_optim/"):].rpartition("/")
-            if name in keys:
+            if name in keys and (owns is None or owns(name[len(prefix):])):
                 keys[name].append((state_key, key))
                 target[key] = torch.empty(tuple(spec.size), dtype=spec.properties.dtype)
 
     def build(loaded: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         state: dict[int, dict[str, Any]] = {}
         for number, name in enumerate(order):
-            entry = dict(scalars.get(name, {}))
+            entry = dict(scalars.get(name, {})) if owns is None or owns(name[len(prefix):]) else {}
             entry.update({state_key: loaded[key] for state_key, key in keys[name]})
             if entry:
                 state[number] = entry

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -91,3 +93,95 @@ def test_a_dead_server_stops_every_worker_with_its_name(run_failing_fast: Callab
     assert set(errors) == {0, 1, 2}
     for rank in (0, 1):
         assert errors[rank].kind == "ServerError" and "parameter server 0 (rank 2)" in errors[rank].message
+
+
+HANG_TIMEOUT_S = 5.0  # the replicas' REPLICATOR_TIMEOUT in the hang tests
+
+
+def hung_group(directory: str) -> dict[str, Any]:
+    """Group 1 hangs in step 2 (its heartbeat thread beating on) for longer than REPLICATOR_TIMEOUT, then tries
+    to go on; group 0 trains until group 1 has had its answer, so the servers are still serving when it wakes."""
+    repl = rp.Replicator(mode="async", parameter_servers=1)
+    with repl.scope():
+        model = torch.nn.Linear(4, 1)
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    woke = Path(directory) / "woke"
+
+    def step_fn(ctx: rp.ReplicaContext, x: torch.Tensor) -> None:
+        if repl.topology.rank == 1 and ctx.step == 2:
+            time.sleep(HANG_TIMEOUT_S + 4)
+        time.sleep(0.05)
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+
+    def batches(ctx: rp.InputContext) -> Any:
+        for _ in range(2000):  # group 0: until the hung group has its answer (or a minute and a half)
+            if repl.topology.rank == 0 and woke.exists():
+                return
+            yield torch.ones(2, 4)
+
+    try:
+        for _ in repl.run(step_fn, repl.prepare_input(batches)):
+            pass
+    finally:
+        if repl.topology.rank == 1:
+            woke.touch()
+    return repl.last_run["asynchronous"]
+
+
+def test_a_hung_group_is_dropped_after_the_timeout_and_told_when_it_wakes(run_failing_fast: Callable[..., Any],
+                                                                         tmp_path: Path) -> None:
+    with pytest.raises(ReplicaFailure) as failure:
+        run_failing_fast(hung_group, 3, str(tmp_path), collective_timeout_s=HANG_TIMEOUT_S)
+    errors = {e.rank: e for e in failure.value.errors}
+    assert set(errors) == {1}, failure.value  # the server and the other group finish cleanly
+    assert errors[1].kind == "ServerError", errors[1]
+    assert "dropped sync group 1 (leader rank 1) as hung, 2 updates into the run" in errors[1].message, errors[1]
+    assert "it sent nothing for" in errors[1].message and "(REPLICATOR_TIMEOUT=5)" in errors[1].message, errors[1]
+    server, survivor = failure.value.results[2], failure.value.results[0]
+    assert server["departed"][1]["how"] == "hung" and server["departed"][1]["step"] == 2
+    assert survivor["departed"] == {1: "hung"} and survivor["updates"] > 2
+
+
+def hung_server(directory: str) -> None:
+    """The server stops (SIGSTOP: a process that answers nothing, its sockets open) after the group's step 3."""
+    repl = rp.Replicator(mode="async", parameter_servers=1, sync_group_size=2)
+    with repl.scope():
+        model = torch.nn.Linear(4, 1)
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    pid_file, stopped = Path(directory) / "server.pid", Path(directory) / "stopped"
+    if repl.regime.serves:
+        pid_file.write_text(str(os.getpid()))
+
+    def step_fn(ctx: rp.ReplicaContext, x: torch.Tensor) -> None:
+        if repl.topology.rank == 0 and ctx.step == 3:
+            os.kill(int(pid_file.read_text()), signal.SIGSTOP)
+            stopped.write_text(repr(time.monotonic()))
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+
+    try:
+        for _ in repl.run(step_fn, repl.prepare_input(lambda ctx: [torch.ones(2, 4)] * 100)):
+            pass
+    except Exception as error:
+        waited = time.monotonic() - float(stopped.read_text())
+        raise type(error)(f"{error} [after {waited:.1f} s]") from error
+    finally:
+        if repl.topology.rank == 0 and pid_file.exists():
+            time.sleep(1.0)  # the other worker has its answer too; then end the stopped server
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_hung_server_is_named_on_every_worker_within_the_timeout(run_failing_fast: Callable[..., Any],
+                                                                   tmp_path: Path) -> None:
+    with pytest.raises(ReplicaFailure) as failure:
+        run_failing_fast(hung_server, 3, str(tmp_path), collective_timeout_s=HANG_TIMEOUT_S)
+    errors = {e.rank: e for e in failure.value.errors}
+    assert set(errors) == {0, 1, 2}, failure.value  # the server was killed at the end
+    for rank in (0, 1):
+        assert errors[rank].kind == "ServerError" and "parameter server 0 (rank 2)" in errors[rank].message, \
+            errors[rank]
+        waited = float(errors[rank].message.rpartition("[after ")[2].rstrip(" s]"))
+        assert waited < 2 * HANG_TIMEOUT_S, errors[rank].message

@@ -124,7 +124,7 @@ def bounded(max_staleness: int | None, steps: int, slow_worker: int, delay_s: fl
     for _ in repl.run(step_fn, inputs, steps=steps):
         pass
     return {"params": torch.cat([model.w, model.v]).detach().clone(), "run": repl.last_run["asynchronous"],
-            "steps": len(seen)}
+            "steps": len(seen), "per_replica": repl.last_run.get("per_replica")}
 
 
 @pytest.mark.parametrize("max_staleness", [1, None], ids=["S=1", "unbounded"])
@@ -150,6 +150,18 @@ def test_staleness_bound_holds_under_a_slow_worker_and_no_update_is_lost(max_sta
             assert result["run"]["staleness"]["max"] <= max_staleness and result["run"]["staleness"]["exceeded"] == 0
     slow = results[2]["run"]
     assert slow["updates"] == steps and slow["wait_seconds"] >= 0
+    # What the main worker prints at the end: every group's updates, staleness and waits, and every worker's
+    # step times, in which the waits on servers count as communication.
+    groups, per_worker = results[0]["run"]["groups"], results[0]["per_replica"]
+    assert sorted(groups) == list(range(workers)) and len(per_worker) == workers
+    for group, figures in groups.items():
+        assert figures["ranks"] == [group] and figures["updates"] == steps, figures
+        assert figures["staleness"]["count"] == steps and figures["staleness"]["exceeded"] == 0, figures
+        assert figures["staleness"]["bound"] == max_staleness and figures["staleness"]["max"] >= 0, figures
+    assert all("groups" not in result["run"] for result in results[1:])  # the main worker's report only
+    communication = [row[3] + row[8] for row in per_worker]  # steady and warm-up steps' communication
+    if max_staleness is not None:  # the fast groups waited on the servers for the slow one, the slow one hardly
+        assert groups[0]["wait_seconds"] > groups[2]["wait_seconds"] and communication[0] > communication[2]
 
 
 def least_squares(max_staleness: int | None, steps: int) -> dict[str, Any]:
