@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch.nn.utils.parametrizations import _SpectralNorm  # type: ignore[attr-defined]
+from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
 __all__ = ["power_iteration_buffers", "spectral_normed", "SPECTRAL_NORM_RULE"]
@@ -58,10 +58,9 @@ def spectral_normed(modules: Iterable[torch.nn.Module]) -> list[str]:
     names = []
     for root in modules:
         for prefix, module in root.named_modules():
-            parametrized = getattr(module, "parametrizations", None)
-            if isinstance(parametrized, torch.nn.ModuleDict) and any(
-                    isinstance(p, _SpectralNorm) for plist in parametrized.values() for p in plist):
-                names.append(prefix or type(module).__name__)
-            elif any(isinstance(hook, SpectralNorm) for hook in module._forward_pre_hooks.values()):
+            parametrized = getattr(module, "parametrizations", None)  # parametrize's ModuleDict of lists
+            owned = isinstance(parametrized, torch.nn.Module) and any(
+                isinstance(child, _SpectralNorm) for child in parametrized.modules())
+            if owned or any(isinstance(hook, SpectralNorm) for hook in module._forward_pre_hooks.values()):
                 names.append(prefix or type(module).__name__)
     return names
