@@ -138,12 +138,13 @@ def broadcast_from_first(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
                 tensor.copy_(part.view_as(tensor))
 
 
-def require_identical(agreement: Agreement, named: NamedTensors, where: str, advice: str,
+def require_identical(agreement: Agreement, named: NamedTensors, where: str, advice: str | Callable[[list[str]], str],
                       fingerprint_of: Callable[[torch.Tensor], int] = fingerprint) -> None:
     """Raise on every replica unless all replicas hold bit-identical `named` tensors, naming the first that differ.
 
     One agreement of two digests (the layout's and the values') in the common case; on a
-    mismatch, the layouts or the per-tensor fingerprints are gathered to say where.
+    mismatch, the layouts or the per-tensor fingerprints are gathered to say where. `advice`
+    may be a function of the differing tensors' names, for advice that depends on which differ.
     """
     if agreement.size == 1:
         return
@@ -154,16 +155,18 @@ def require_identical(agreement: Agreement, named: NamedTensors, where: str, adv
     if verdict.unanimous:
         return
     if verdict.maxima[0] != verdict.minima[0]:
-        _raise_layout_mismatch(agreement, lines, where, advice)
+        _raise_layout_mismatch(agreement, lines, where, advice([]) if callable(advice) else advice)
     mine = torch.tensor(prints, dtype=torch.int64)
     everyone = [torch.empty_like(mine) for _ in range(agreement.size)]
     dist.all_gather(everyone, mine, group=agreement.group)
     reference = everyone[0]
     report = [f"replicas hold different values {where} (raised on replica {agreement.rank}):"]
+    differing: list[str] = []
     for replica, theirs in enumerate(everyone):
         names = [name for (name, _), a, b in zip(named, theirs.tolist(), reference.tolist()) if a != b]
         if names:
             shown = ", ".join(names[:_SHOWN]) + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
             report.append(f"  replica {replica} differs from replica 0 in {shown}")
-    report.append(advice)
+            differing += [name for name in names if name not in differing]
+    report.append(advice(differing) if callable(advice) else advice)
     raise ReplicaMismatchError("\n".join(report))

@@ -4,7 +4,9 @@ from replicator.nn.batchnorm import (
     CrossReplicaBatchNorm,
     CrossReplicaBatchNorm1d,
     CrossReplicaBatchNorm2d,
+    CrossReplicaConditionalBatchNorm,
     convert_batchnorm,
 )
 
-__all__ = ["CrossReplicaBatchNorm", "CrossReplicaBatchNorm1d", "CrossReplicaBatchNorm2d", "convert_batchnorm"]
+__all__ = ["CrossReplicaBatchNorm", "CrossReplicaBatchNorm1d", "CrossReplicaBatchNorm2d",
+           "CrossReplicaConditionalBatchNorm", "convert_batchnorm"]

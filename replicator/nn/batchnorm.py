@@ -9,7 +9,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from replicator.comm import collectives
 from replicator.context import active_context
 
-__all__ = ["CrossReplicaBatchNorm", "CrossReplicaBatchNorm1d", "CrossReplicaBatchNorm2d", "convert_batchnorm"]
+__all__ = ["CrossReplicaBatchNorm", "CrossReplicaBatchNorm1d", "CrossReplicaBatchNorm2d",
+           "CrossReplicaConditionalBatchNorm", "convert_batchnorm"]
 
 
 class CrossReplicaBatchNorm(_BatchNorm):
@@ -93,6 +94,43 @@ class CrossReplicaBatchNorm2d(CrossReplicaBatchNorm):
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() != 4:
             raise ValueError(f"expected 4D input, got {input.dim()}D")
+
+
+class CrossReplicaConditionalBatchNorm(torch.nn.Module):
+    """Class-conditional batch norm (de Vries et al. 2017; the generators of SN-GAN and BigGAN) over the global batch.
+
+    The input is normalized with the statistics of the whole global batch, as
+    CrossReplicaBatchNorm does (and with its running statistics in eval mode); each sample
+    is then scaled and shifted by the gain and bias rows of its own class, two embeddings
+    that start at 1 and 0. Gradients flow to the embeddings and, through the cross-replica
+    statistics, to every replica's input, exactly as one process with the whole batch.
+    `forward(input, labels)` takes (N, C, ...) inputs and N class indices.
+    """
+
+    def __init__(self, num_features: int, num_classes: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 track_running_stats: bool = True, group: dist.ProcessGroup | None = None,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.num_features, self.num_classes = num_features, num_classes
+        self.norm = CrossReplicaBatchNorm(num_features, eps, momentum, affine=False,
+                                          track_running_stats=track_running_stats, group=group,
+                                          device=device, dtype=dtype)
+        self.gain = torch.nn.Embedding(num_classes, num_features, device=device, dtype=dtype)
+        self.bias = torch.nn.Embedding(num_classes, num_features, device=device, dtype=dtype)
+        torch.nn.init.ones_(self.gain.weight)
+        torch.nn.init.zeros_(self.bias.weight)
+
+    def forward(self, input: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if labels.dim() != 1 or labels.shape[0] != input.shape[0] or labels.is_floating_point():
+            raise ValueError(f"labels must be {input.shape[0]} integer class indices, one per sample of the input, "
+                             f"got a {labels.dtype} tensor of shape {tuple(labels.shape)}")
+        if input.dim() >= 2 and input.shape[1] != self.num_features:
+            raise ValueError(f"expected {self.num_features} channels (dim 1), got input of shape {tuple(input.shape)}")
+        shape = (input.shape[0], self.num_features, *[1] * (input.dim() - 2))
+        return self.norm(input) * self.gain(labels).view(shape) + self.bias(labels).view(shape)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, num_classes={self.num_classes}"
 
 
 _REPLACEMENT: dict[type[torch.nn.Module], type[CrossReplicaBatchNorm]] = {

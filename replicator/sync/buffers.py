@@ -5,6 +5,8 @@ Gradients keep parameters identical; buffers that a forward pass updates from it
 Averaging them is what a mirrored, read-synchronized variable gives in TensorFlow: the mean
 of the replicas' estimates. Integer buffers (BatchNorm's `num_batches_tracked`) count steps
 that every replica took alike, so they take replica 0's values, never a rounded mean.
+Spectral norm's power-iteration buffers are left alone: they must already be equal
+(replicator.nn.spectral says why), and the guard that runs next names them if they are not.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from replicator.comm.agreement import Agreement
+from replicator.nn.spectral import power_iteration_buffers
 
 __all__ = ["average_buffers"]
 
@@ -26,11 +29,15 @@ def average_buffers(modules: Iterable[torch.nn.Module], group: dist.ProcessGroup
     Every replica must call it at the same point. The mean is taken as replica 0's value plus
     the mean of the replicas' differences from it, in double precision: buffers that are
     already equal on every replica (masks, constant tables, CrossReplicaBatchNorm's
-    statistics) come back bit for bit, and half-precision sums cannot overflow.
+    statistics) come back bit for bit, and half-precision sums cannot overflow. Spectral norm's
+    power-iteration vectors are skipped: an average would hide replicas that took different
+    numbers of discriminator calls, and is no unit vector.
     """
     if group is None:
         return
-    buffers = list({id(b): b for module in modules for b in module.buffers()}.values())
+    modules = list(modules)
+    iterated = power_iteration_buffers(modules)
+    buffers = list({id(b): b for module in modules for b in module.buffers() if id(b) not in iterated}.values())
     layout = ";".join(f"{b.dtype}{tuple(b.shape)}" for b in buffers)
     # Different models (or buffer sets) would pair mismatched collectives: fail together instead.
     agreement.require_same(f"average {len(buffers)} buffers (layout crc {zlib.crc32(layout.encode())})")

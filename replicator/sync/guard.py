@@ -21,6 +21,7 @@ from torch.nn.parameter import is_lazy
 from replicator.comm.agreement import Agreement
 from replicator.errors import ReplicatorUsageError
 from replicator.identity import Fingerprints, fingerprint, require_identical
+from replicator.nn.spectral import SPECTRAL_NORM_RULE, power_iteration_buffers
 from replicator.sync.optimizer import SyncedOptimizers
 
 __all__ = ["ReplicaGuard", "UnownedGradients"]
@@ -55,7 +56,16 @@ class ReplicaGuard:
     def require_identical(self, where: str) -> None:
         """Raise on every replica unless all hold bit-identical parameters, buffers and optimizer state."""
         if self.agreement.size > 1:
-            require_identical(self.agreement, self.named_state(), where, _ADVICE, self._fingerprints)
+            named = self.named_state()
+            require_identical(self.agreement, named, where, functools.partial(self._advice, named), self._fingerprints)
+
+    def _advice(self, named: list[tuple[str, torch.Tensor]], differing: list[str]) -> str:
+        """The usual advice, preceded by spectral norm's rule when its power-iteration buffers are among those named."""
+        iterated = power_iteration_buffers(self.modules())
+        spectral = {name for name, tensor in named if id(tensor) in iterated}
+        if not spectral.intersection(differing):
+            return _ADVICE
+        return SPECTRAL_NORM_RULE if spectral.issuperset(differing) else f"{SPECTRAL_NORM_RULE} {_ADVICE}"
 
     def named_state(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor the replicas must agree on, named, in an order every replica shares."""

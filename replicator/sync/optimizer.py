@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import types
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from replicator.comm.agreement import Agreement
 from replicator.context import ReplicaContext
 from replicator.errors import NonFiniteError, ReplicatorUsageError
+from replicator.nn.spectral import spectral_normed
 from replicator.sync.reducers import Reducer
 from replicator.sync.state import GradientState, UpdateCount
 from replicator.sync.synchronizer import GradientSynchronizer
@@ -59,6 +61,8 @@ class SyncedOptimizers:
         self.owner: dict[int, WrappedOptimizer] = {}
         self.schedulers: list[Any] = []
         self.skipped_steps: list[int] = []  # steps whose update nonfinite="skip" dropped
+        self._warned_spectral = False  # accumulation with spectral norm is said once
+        self._no_sync_checked = False
         # Who applies an update instead of the optimizer itself, given the optimizer's index (the
         # asynchronous regime: parameter servers); None: the optimizer's own step().
         self.update: Callable[[int, torch.optim.Optimizer], None] | None = None
@@ -233,10 +237,28 @@ class SyncedOptimizers:
         for wrapped in self.wrapped:
             wrapped.count.calls = 0
         self.state.accumulation = micro_steps
+        if micro_steps > 1:
+            self._warn_if_spectral_normed(f"accumulate({micro_steps})", f"{micro_steps} times")
+
+    def _warn_if_spectral_normed(self, how: str, times: str) -> None:
+        """Gradient accumulation runs spectral norm's power iteration once per micro-batch: say so, once."""
+        normed = [] if self._warned_spectral else spectral_normed(self.state.modules)
+        if normed:
+            self._warned_spectral = True
+            if self.is_main:
+                warnings.warn(
+                    f"{how} with spectral-normed modules ({', '.join(normed[:3])}{' ...' if len(normed) > 3 else ''}):"
+                    f" their power iteration runs in every micro-batch's forward, {times} per update, where one "
+                    "process training on the whole batch runs it once. Replicas stay equal, but this is not the "
+                    "large-batch algorithm (BigGAN-PyTorch's caveat): reach the batch with more replicas instead, "
+                    "or accept the difference.", stacklevel=4)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside this block accumulate gradients locally, with no traffic."""
+        if not self._no_sync_checked:  # once: a walk over the modules for every micro-batch would cost
+            self._no_sync_checked = True
+            self._warn_if_spectral_normed("no_sync() accumulation", "once per micro-batch")
         self.state.no_sync_depth += 1
         try:
             yield
