@@ -27,6 +27,7 @@ Two arms, each a peer for replicator's actor-learner regime (issue 18):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -51,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--env-steps", type=int, default=20_000)
     parser.add_argument("--eval-every", type=int, default=1_000)
     parser.add_argument("--eval-episodes", type=int, default=10)
+    parser.add_argument("--learning-starts", type=int, default=None,
+                        help="random env steps before learning (default: the recipe's 10,000)")
     parser.add_argument("--full-curve", action="store_true", help="train all --env-steps, not only until -200")
     parser.add_argument("--replay-repeats", type=int, default=3, help="repetitions of the replay arm (0: skip it)")
     parser.add_argument("--replay-capacity", type=int, default=1_000_000)
@@ -285,10 +288,15 @@ def main() -> None:
     for seed in args.seeds:  # seed by seed, the algorithms in turns: slow drifts of the load hit them alike
         for name in args.algorithms:
             print(f"{name} seed {seed}", flush=True)
-            runs[name].append(train(RECIPES[name], seed, args))
+            recipe = RECIPES[name]
+            if args.learning_starts is not None:
+                recipe = dataclasses.replace(recipe, learning_starts=args.learning_starts)
+            runs[name].append(train(recipe, seed, args))
     for name, results in runs.items():
         reached = [r["reached"] for r in results]
-        summary: dict[str, Any] = {"recipe": asdict(RECIPES[name]), "runs": results,
+        summary: dict[str, Any] = {"recipe": asdict(RECIPES[name]) | {"learning_starts": args.learning_starts
+                                                                       or RECIPES[name].learning_starts},
+                                   "runs": results,
                                    "reached": sum(r is not None for r in reached)}
         if all(r is not None for r in reached):
             summary["median_env_steps"] = statistics.median(r["env_steps"] for r in reached)
