@@ -173,7 +173,8 @@ def train(recipe: Recipe, seed: int, args: argparse.Namespace) -> dict[str, Any]
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     env = make_env()
-    observation_size, action_size = env.observation_space.shape[0], env.action_space.shape[0]
+    observation_size = gymnasium.spaces.flatdim(env.observation_space)
+    action_size = gymnasium.spaces.flatdim(env.action_space)
     policy = nn.Sequential(mlp(observation_size, recipe.hidden, action_size), nn.Tanh())
     critics = Critics(observation_size, action_size, recipe)
     target_policy, target_critics = _frozen_copy(policy), _frozen_copy(critics)
@@ -191,9 +192,9 @@ def train(recipe: Recipe, seed: int, args: argparse.Namespace) -> dict[str, Any]
                 next_action = (next_action + noise).clamp(-1.0, 1.0)
             next_q = torch.min(torch.stack(target_critics(next_observation, next_action)), dim=0).values
             target = reward + (1.0 - terminated) * recipe.gamma * next_q
-        critic_loss = sum(F.mse_loss(q, target) for q in critics(observation, action))
+        critic_loss = torch.stack([F.mse_loss(q, target) for q in critics(observation, action)]).sum()
         critic_opt.zero_grad()
-        critic_loss.backward()  # type: ignore[union-attr]
+        critic_loss.backward()
         critic_opt.step()
         if step % recipe.policy_delay == 0:
             policy_loss = -critics(observation, policy(observation))[0].mean()

@@ -68,8 +68,9 @@ import replicator as rp
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--actors", type=int, default=2, help="actor processes of the launched job")
-    parser.add_argument("--learners", type=int, default=1, help="learner processes (a synchronous replica group)")
+    parser.add_argument("--actors", type=int, default=2, help="actor processes (the launched job)")
+    parser.add_argument("--learners", type=int, default=1,
+                        help="learner processes, a synchronous replica group (the launched job)")
     parser.add_argument("--single-process", action="store_true",
                         help="one actor, the learner and the evaluator in this process, taking turns")
     parser.add_argument("--env", default="Pendulum-v1", help="a gymnasium id, or dmc:DOMAIN-TASK (dm-control)")
@@ -99,7 +100,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--importance-exponent", type=float, default=0.4)
     # the actors and the evaluator
     parser.add_argument("--sigma", type=float, default=0.2, help="exploration noise, in units of half the action range")
-    parser.add_argument("--update-period", type=int, default=100, help="actors pull weights every this many env steps")
+    parser.add_argument("--update-period", type=int, default=100,
+                        help="actors pull weights every this many env steps (the launched job)")
     parser.add_argument("--eval-every", type=int, default=1_000, help="env steps between evaluations")
     parser.add_argument("--eval-episodes", type=int, default=10)
     parser.add_argument("--target-return", type=float, default=-200.0, help="the curve reports when it gets there")
@@ -186,6 +188,8 @@ class Policy(nn.Module):
 
 class DistributionalCritic(nn.Module):
     """(observation, action) -> logits of the return's distribution over the fixed support `atoms`."""
+
+    atoms: torch.Tensor
 
     def __init__(self, observation_size: int, action_size: int, hidden: int, atoms: torch.Tensor) -> None:
         super().__init__()
@@ -430,7 +434,8 @@ def main(argv: Sequence[str] | None = None) -> LearningCurve:
         raise SystemExit("the launched actor-learner job needs replicator's actor-learner regime (issue 18), "
                          "not in this version yet: run with --single-process meanwhile")
     probe = make_env(args.env)  # fails here, with what to install, when the environment is missing
-    observation_size, action_size = probe.observation_space.shape[0], probe.action_space.shape[0]
+    observation_size = gymnasium.spaces.flatdim(probe.observation_space)
+    action_size = gymnasium.spaces.flatdim(probe.action_space)
     torch.set_num_threads(1)  # small networks: more threads only add synchronisation
 
     repl = rp.Replicator()
@@ -471,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> LearningCurve:
         (dq_da,) = torch.autograd.grad(q.sum(), action)
         # Where tanh saturates its gradient vanishes, and a policy pushed to full torque early stays
         # there (the pendulum rocks at the bottom under a constant push): without this small penalty
-        # on the pre-activation, 2 of 3 seeds stalled so for the whole run.
+        # on the pre-activation, seed 0 stalled so for the whole run (and seed 2 at a policy lr of 1e-4).
         penalty = args.preactivation_penalty * preactivation.square().sum(-1).mean()
         policy_loss = -(dq_da * action).sum(-1).mean() + penalty
         policy_opt.zero_grad()
