@@ -1,0 +1,326 @@
+"""Actor-learner baselines on Pendulum-v1: TD3 and DDPG to Stable-Baselines3's recipe, and a numpy ring buffer's speed.
+
+Command (from the repository root; about 5-10 minutes on one core; figures go to
+benchmarks/results/actor_learner.json):
+
+    .venv/bin/python benchmarks/actor_learner.py                       # TD3 and DDPG, seeds 0 1 2, and the replay
+    .venv/bin/python benchmarks/actor_learner.py --algorithms td3 --seeds 0 --full-curve
+    .venv/bin/python benchmarks/actor_learner.py --algorithms --replay-repeats 5   # the replay arm alone
+
+Two arms, each a peer for replicator's actor-learner regime (issue 18):
+
+- Time to -200: a single-process off-policy loop written to the SB3 zoo's Pendulum-v1
+  hyperparameters (gamma 0.98, 10,000 uniformly random steps before learning, then one
+  gradient step of batch 256 per env step, Adam at 1e-3, Gaussian action noise of 0.1,
+  [400, 300] networks, tau 0.005, a 200,000-transition buffer; TD3 adds twin critics, target
+  policy smoothing 0.2 clipped at 0.5 and a policy update every 2 steps). Every --eval-every env
+  steps the clock stops and 10 deterministic episodes (fixed start states, the same for every
+  arm) give the mean evaluation return. Reported per seed: env steps and wall-clock seconds
+  of training (evaluation excluded) to the first evaluation at -200 or better, and their median
+  over the seeds. The SB3 zoo reports about -150 at 20,000 steps for both.
+- Replay throughput: a numpy ring buffer of SB3's design (preallocated arrays, a write position
+  and a `full` flag, uniform sampling with replacement, batches handed over as torch tensors):
+  single-transition inserts per second and sampled transitions per second (batches of 256), as
+  medians over --replay-repeats repetitions, on Pendulum-sized transitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import gymnasium
+import numpy as np
+import torch
+import torch.nn.functional as F
+from _harness import Spread, add_json_argument, machine, machine_line, write_json
+from torch import nn
+
+ENV = "Pendulum-v1"
+TARGET_RETURN = -200.0
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--algorithms", nargs="*", default=["td3", "ddpg"], choices=["td3", "ddpg"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--env-steps", type=int, default=20_000)
+    parser.add_argument("--eval-every", type=int, default=1_000)
+    parser.add_argument("--eval-episodes", type=int, default=10)
+    parser.add_argument("--learning-starts", type=int, default=None,
+                        help="random env steps before learning (default: the recipe's 10,000)")
+    parser.add_argument("--full-curve", action="store_true", help="train all --env-steps, not only until -200")
+    parser.add_argument("--replay-repeats", type=int, default=3, help="repetitions of the replay arm (0: skip it)")
+    parser.add_argument("--replay-capacity", type=int, default=1_000_000)
+    parser.add_argument("--replay-inserts", type=int, default=50_000)
+    parser.add_argument("--replay-batches", type=int, default=2_000, help="batches of 256 per repetition")
+    add_json_argument(parser, "actor_learner")
+    return parser.parse_args()
+
+
+# -- SB3's replay design: a preallocated numpy ring ---------------------------------------------
+
+
+class RingBuffer:
+    """Transitions in preallocated numpy arrays; `position` wraps around and `full` says the arrays are all valid."""
+
+    def __init__(self, capacity: int, observation_size: int, action_size: int, seed: int = 0) -> None:
+        self.capacity = capacity
+        self.observation = np.zeros((capacity, observation_size), np.float32)
+        self.next_observation = np.zeros((capacity, observation_size), np.float32)
+        self.action = np.zeros((capacity, action_size), np.float32)
+        self.reward = np.zeros(capacity, np.float32)
+        self.terminated = np.zeros(capacity, np.float32)  # not truncation: a time limit keeps bootstrapping
+        self.position = 0
+        self.full = False
+        self.rng = np.random.default_rng(seed)
+
+    def __len__(self) -> int:
+        return self.capacity if self.full else self.position
+
+    def add(self, observation: np.ndarray, action: np.ndarray, reward: float, next_observation: np.ndarray,
+            terminated: bool) -> None:
+        i = self.position
+        self.observation[i] = observation
+        self.action[i] = action
+        self.reward[i] = reward
+        self.next_observation[i] = next_observation
+        self.terminated[i] = terminated
+        self.position = (i + 1) % self.capacity
+        self.full = self.full or self.position == 0
+
+    def sample(self, batch_size: int) -> tuple[torch.Tensor, ...]:
+        index = self.rng.integers(0, len(self), size=batch_size)
+        return tuple(torch.from_numpy(a[index]) for a in (self.observation, self.action, self.reward,
+                                                          self.next_observation, self.terminated))
+
+
+# -- the SB3 zoo's Pendulum-v1 recipe -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """TD3 by default; DDPG is one critic, no target smoothing and a policy update every step."""
+
+    gamma: float = 0.98
+    buffer_size: int = 200_000
+    learning_starts: int = 10_000
+    action_noise: float = 0.1  # std of the Gaussian added to actions in [-1, 1]
+    learning_rate: float = 1e-3
+    batch_size: int = 256
+    tau: float = 0.005
+    hidden: tuple[int, int] = (400, 300)
+    critics: int = 2
+    policy_delay: int = 2
+    target_noise: float = 0.2
+    target_noise_clip: float = 0.5
+
+
+RECIPES = {"td3": Recipe(), "ddpg": Recipe(critics=1, policy_delay=1, target_noise=0.0)}
+
+
+def mlp(inputs: int, hidden: tuple[int, int], outputs: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(inputs, hidden[0]), nn.ReLU(), nn.Linear(hidden[0], hidden[1]), nn.ReLU(),
+                         nn.Linear(hidden[1], outputs))
+
+
+class Critics(nn.Module):
+    """One Q network per critic on (observation, action); TD3 takes the smaller of its two."""
+
+    def __init__(self, observation_size: int, action_size: int, recipe: Recipe) -> None:
+        super().__init__()
+        self.nets = nn.ModuleList(mlp(observation_size + action_size, recipe.hidden, 1)
+                                  for _ in range(recipe.critics))
+
+    def forward(self, observation: torch.Tensor, action: torch.Tensor) -> list[torch.Tensor]:
+        joined = torch.cat([observation, action], dim=-1)
+        return [net(joined).squeeze(-1) for net in self.nets]
+
+
+def make_env() -> gymnasium.Env:
+    bound = np.ones(1, np.float32)
+    return gymnasium.wrappers.RescaleAction(gymnasium.make(ENV), -bound, bound)
+
+
+@torch.no_grad()
+def evaluate(policy: nn.Module, episodes: int, seed: int) -> list[float]:
+    """Returns of `episodes` deterministic episodes from fixed start states, their envs stepped side by side."""
+    envs = [make_env() for _ in range(episodes)]
+    observations = np.stack([env.reset(seed=seed + i)[0] for i, env in enumerate(envs)])
+    returns = np.zeros(episodes)
+    done = np.zeros(episodes, bool)
+    while not done.all():
+        actions = policy(torch.as_tensor(observations)).numpy()
+        for i in np.flatnonzero(~done):
+            observations[i], reward, terminated, truncated, _ = envs[i].step(actions[i])
+            returns[i] += reward
+            done[i] = terminated or truncated
+    return returns.tolist()
+
+
+def evaluation_seed(seed: int) -> int:
+    """The evaluation episodes' first seed: examples/d4pg.py uses the same, so both face the same start states."""
+    return 10_000 + seed * 100
+
+
+def train(recipe: Recipe, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of the recipe: its learning curve, and the env steps and training seconds to TARGET_RETURN."""
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    env = make_env()
+    observation_size = gymnasium.spaces.flatdim(env.observation_space)
+    action_size = gymnasium.spaces.flatdim(env.action_space)
+    policy = nn.Sequential(mlp(observation_size, recipe.hidden, action_size), nn.Tanh())
+    critics = Critics(observation_size, action_size, recipe)
+    target_policy, target_critics = _frozen_copy(policy), _frozen_copy(critics)
+    policy_opt = torch.optim.Adam(policy.parameters(), lr=recipe.learning_rate)
+    critic_opt = torch.optim.Adam(critics.parameters(), lr=recipe.learning_rate)
+    buffer = RingBuffer(recipe.buffer_size, observation_size, action_size, seed)
+
+    def learn(step: int) -> None:
+        observation, action, reward, next_observation, terminated = buffer.sample(recipe.batch_size)
+        with torch.no_grad():
+            next_action = target_policy(next_observation)
+            if recipe.target_noise:  # TD3's target policy smoothing
+                noise = (torch.randn_like(next_action) * recipe.target_noise).clamp(
+                    -recipe.target_noise_clip, recipe.target_noise_clip)
+                next_action = (next_action + noise).clamp(-1.0, 1.0)
+            next_q = torch.min(torch.stack(target_critics(next_observation, next_action)), dim=0).values
+            target = reward + (1.0 - terminated) * recipe.gamma * next_q
+        critic_loss = torch.stack([F.mse_loss(q, target) for q in critics(observation, action)]).sum()
+        critic_opt.zero_grad()
+        critic_loss.backward()
+        critic_opt.step()
+        if step % recipe.policy_delay == 0:
+            policy_loss = -critics(observation, policy(observation))[0].mean()
+            policy_opt.zero_grad()
+            policy_loss.backward()
+            policy_opt.step()
+            with torch.no_grad():
+                for online, slow in ((policy, target_policy), (critics, target_critics)):
+                    for p, p_target in zip(online.parameters(), slow.parameters()):
+                        p_target.lerp_(p, recipe.tau)
+
+    curve: list[dict[str, float]] = []
+    reached: dict[str, float] | None = None
+    train_seconds, started = 0.0, time.perf_counter()
+    observation, _ = env.reset(seed=seed * 1_000 + 1)
+    for env_step in range(1, args.env_steps + 1):
+        if env_step <= recipe.learning_starts:
+            action = rng.uniform(-1.0, 1.0, action_size).astype(np.float32)
+        else:
+            with torch.no_grad():
+                action = policy(torch.as_tensor(observation)).numpy()
+            action = np.clip(action + rng.normal(0.0, recipe.action_noise, action_size), -1.0, 1.0).astype(np.float32)
+        next_observation, reward, terminated, truncated, _ = env.step(action)
+        buffer.add(observation, action, float(reward), next_observation, terminated)
+        observation = env.reset()[0] if terminated or truncated else next_observation
+        if env_step > recipe.learning_starts:
+            learn(env_step - recipe.learning_starts)
+        if env_step % args.eval_every == 0:
+            train_seconds += time.perf_counter() - started
+            returns = evaluate(policy, args.eval_episodes, evaluation_seed(seed))
+            point = {"env_steps": env_step, "seconds": train_seconds, "mean_return": float(np.mean(returns)),
+                     "std_return": float(np.std(returns))}
+            curve.append(point)
+            print(f"  {env_step:6d} env steps | {train_seconds:6.1f} s | return {point['mean_return']:7.1f} "
+                  f"+- {point['std_return']:5.1f}", flush=True)
+            if reached is None and point["mean_return"] >= TARGET_RETURN:
+                reached = point
+                if not args.full_curve:
+                    break
+            started = time.perf_counter()
+    return {"seed": seed, "reached": reached, "curve": curve}
+
+
+def _frozen_copy(module: nn.Module) -> nn.Module:
+    import copy
+
+    clone = copy.deepcopy(module)
+    clone.requires_grad_(False)
+    return clone
+
+
+# -- replay throughput --------------------------------------------------------------------------
+
+
+class Replay(Protocol):
+    def add(self, observation: np.ndarray, action: np.ndarray, reward: float, next_observation: np.ndarray,
+            terminated: bool) -> None: ...
+
+    def sample(self, batch_size: int) -> tuple[torch.Tensor, ...]: ...
+
+
+def replay_throughput(make: Callable[[], Replay], inserts: int, batches: int, batch_size: int = 256,
+                      observation_size: int = 3, action_size: int = 1) -> dict[str, float]:
+    """Single-transition inserts per second, then sampled transitions per second, into/from a fresh replay."""
+    rng = np.random.default_rng(0)
+    observations = rng.standard_normal((inserts, observation_size), dtype=np.float32)
+    actions = rng.uniform(-1, 1, (inserts, action_size)).astype(np.float32)
+    replay = make()
+    started = time.perf_counter()
+    for i in range(inserts - 1):
+        replay.add(observations[i], actions[i], -1.0, observations[i + 1], False)
+    insert_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    for _ in range(batches):
+        replay.sample(batch_size)
+    sample_seconds = time.perf_counter() - started
+    return {"inserts_per_s": (inserts - 1) / insert_seconds, "samples_per_s": batches * batch_size / sample_seconds}
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)  # one core each, as examples/d4pg.py's learner
+    header = machine()
+    print(machine_line(header))
+    report: dict[str, Any] = {"env": ENV, "target_return": TARGET_RETURN, "env_steps": args.env_steps,
+                              "eval_every": args.eval_every, "eval_episodes": args.eval_episodes}
+
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.algorithms}
+    for seed in args.seeds:  # seed by seed, the algorithms in turns: slow drifts of the load hit them alike
+        for name in args.algorithms:
+            print(f"{name} seed {seed}", flush=True)
+            recipe = RECIPES[name]
+            if args.learning_starts is not None:
+                recipe = dataclasses.replace(recipe, learning_starts=args.learning_starts)
+            runs[name].append(train(recipe, seed, args))
+    for name, results in runs.items():
+        reached = [r["reached"] for r in results]
+        summary: dict[str, Any] = {"recipe": asdict(RECIPES[name]) | {"learning_starts": args.learning_starts
+                                                                       or RECIPES[name].learning_starts},
+                                   "runs": results,
+                                   "reached": sum(r is not None for r in reached)}
+        if all(r is not None for r in reached):
+            summary["median_env_steps"] = statistics.median(r["env_steps"] for r in reached)
+            summary["median_seconds"] = statistics.median(r["seconds"] for r in reached)
+        report[name] = summary
+        steps = ", ".join("-" if r is None else f"{r['env_steps']}" for r in reached)
+        seconds = ", ".join("-" if r is None else f"{r['seconds']:.1f}" for r in reached)
+        print(f"{name}: env steps to {TARGET_RETURN:g} per seed [{steps}], training seconds [{seconds}]"
+              + (f"; median {summary['median_env_steps']:g} steps, {summary['median_seconds']:.1f} s"
+                 if "median_seconds" in summary else ""))
+
+    if args.replay_repeats:
+        figures = [replay_throughput(lambda: RingBuffer(args.replay_capacity, 3, 1), args.replay_inserts,
+                                     args.replay_batches) for _ in range(args.replay_repeats)]
+        inserts = Spread.of([f["inserts_per_s"] for f in figures])
+        samples = Spread.of([f["samples_per_s"] for f in figures])
+        report["replay"] = {"ring_buffer": {"inserts_per_s": asdict(inserts), "samples_per_s": asdict(samples)},
+                            "capacity": args.replay_capacity, "batch_size": 256}
+        print(f"ring buffer (numpy, SB3's design), capacity {args.replay_capacity:,}: "
+              f"{inserts.median:,.0f} inserts/s ({inserts.min:,.0f}-{inserts.max:,.0f}), "
+              f"{samples.median:,.0f} sampled transitions/s ({samples.min:,.0f}-{samples.max:,.0f})")
+    write_json(args.json, report, header)
+
+
+if __name__ == "__main__":
+    main()
