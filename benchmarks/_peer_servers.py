@@ -16,6 +16,7 @@ replicator's contender (`_digits.py`); written from the patterns' descriptions, 
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import time
@@ -159,13 +160,20 @@ class RayWorker:
         return stamps
 
 
-def ray_rates(hidden: int, batch: int, lr: float, seed: int, steps: int) -> dict[str, Any] | str:
-    """Start Ray (1 CPU each for the server and the 2 workers), train, stop Ray: the stamps, or why Ray was skipped."""
+def ray_missing() -> str | None:
+    """Why the Ray pattern cannot run here, or None when it can."""
     try:
-        import ray
-    except ImportError:
-        return ("ray pattern skipped: ray is not installed (it is the optional extra 'bench': "
-                "pip install -e '.[bench]')")
+        importlib.import_module("ray")
+    except ImportError as error:
+        return (f"ray pattern skipped: ray cannot be imported ({error}); it is the optional extra 'bench': "
+                "pip install -e '.[bench]'")
+    return None
+
+
+def ray_rates(hidden: int, batch: int, lr: float, seed: int, steps: int) -> dict[str, Any]:
+    """Start Ray (1 CPU each for the server and the 2 workers), train, stop Ray: the workers' stamps and checks."""
+    import ray
+
     here = Path(__file__).resolve().parent
     saved = os.environ.get("PYTHONPATH")
     # Ray's worker processes import this module and replicator by name, as the driver does.

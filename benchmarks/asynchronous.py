@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from _digits import Batch, accuracy, digits, make_model, make_optimizer, shard_batches
 from _harness import Spread, in_turns, load_average, machine, machine_line, paired_ratio, write_json
 from _harness import add_json_argument as add_json_option
-from _peer_servers import ray_rates, rpc_rate_job
+from _peer_servers import ray_missing, ray_rates, rpc_rate_job
 
 import replicator as rp
 from replicator.launch import heap_kept_environment
@@ -313,8 +313,12 @@ def window_rate(stamps: Sequence[Sequence[float]], warmup: int) -> float:
 
 def run_peers(config: Config) -> tuple[dict[str, Any], list[str], bool]:
     contenders = ["replicator mode=async", "torch.distributed.rpc pattern", "ray pattern"]
-    rates: dict[str, list[float]] = {name: [] for name in contenders}
     notes: list[str] = []
+    if (missing := ray_missing()) is not None:
+        contenders.remove("ray pattern")
+        notes.append(missing)
+        print(f"  {missing}", flush=True)
+    rates: dict[str, list[float]] = {name: [] for name in contenders}
     waiting: list[float] = []  # replicator's workers: share of their time blocked on the server
     healthy = True
     timeout = 120.0 + 0.5 * (config.peer_warmup + config.peer_steps)
@@ -332,12 +336,6 @@ def run_peers(config: Config) -> tuple[dict[str, Any], list[str], bool]:
         else:
             outcome = ray_rates(config.hidden, config.batch, config.lr, config.seed,
                                 config.peer_warmup + config.peer_steps)
-            if isinstance(outcome, str):
-                notes.append(outcome)
-                rates.pop(name, None)
-                contenders.remove(name)
-                print(f"  {outcome}", flush=True)
-                continue
             stamps, updates, moved = outcome["stamps"], outcome["updates"], outcome["moved"]
         rate = window_rate(stamps, config.peer_warmup)
         rates[name].append(rate)
@@ -506,12 +504,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run: one short repetition of each part")
     parser.add_argument("--repeats", type=int, default=None,
                         help="repetitions of the straggler and peers parts (default 3 and 5)")
+    parser.add_argument("--hidden", type=int, default=Config.hidden,
+                        help="the MLP's width (8 makes messages tiny: the exchanges' fixed costs show)")
     parser.add_argument("--snapshot-s", type=float, default=Config.snapshot_s,
                         help="seconds between rank 0's parameter copies in the straggler part")
     add_json_option(parser, "asynchronous")
     options = parser.parse_args(argv)
     config = QUICK if options.quick else Config()
-    config = replace(config, snapshot_s=options.snapshot_s)
+    config = replace(config, snapshot_s=options.snapshot_s, hidden=options.hidden)
     if options.repeats is not None:
         if options.repeats < 1:
             parser.error("--repeats must be at least 1")
