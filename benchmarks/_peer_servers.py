@@ -147,6 +147,9 @@ class RayWorker:
         train_x, train_y, _, _ = digits()
         self.batches = shard_batches(train_x, train_y, batch, shard, WORKERS, steps, seed)
 
+    def ready(self) -> bool:
+        return True
+
     def train(self, server: Any) -> list[float]:
         import ray
 
@@ -184,6 +187,7 @@ def ray_rates(hidden: int, batch: int, lr: float, seed: int, steps: int) -> dict
         server = ray.remote(num_cpus=1)(RayServer).remote(hidden, lr, seed)
         workers = [ray.remote(num_cpus=1)(RayWorker).remote(hidden, batch, seed, shard, steps)
                    for shard in range(WORKERS)]
+        ray.get([worker.ready.remote() for worker in workers])  # started and built: both start training together
         stamps = ray.get([worker.train.remote(server) for worker in workers])
         updates, moved = ray.get(server.summary.remote(hidden, seed))
         return {"stamps": stamps, "updates": updates, "moved": moved}

@@ -31,6 +31,7 @@ with min and max over repetitions, ratios paired within a repetition (benchmarks
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -170,7 +171,7 @@ def straggler_job(config: Config, arm: Arm) -> dict[str, Any]:
         curve = []
         for seconds, flat in snapshots:
             torch.nn.utils.vector_to_parameters(flat, model.parameters())
-            curve.append((seconds, accuracy(model, test_x, test_y)))
+            curve.append((round(seconds, 3), round(accuracy(model, test_x, test_y), 4)))
         torch.nn.utils.vector_to_parameters(final, model.parameters())
         result.update(curve=curve, final_accuracy=accuracy(model, test_x, test_y))
     repl.close()
@@ -260,7 +261,9 @@ def run_straggler(config: Config) -> tuple[dict[str, Any], list[str], bool]:
 
 
 def _paired_optional(values: Sequence[float | None], peer: Sequence[float | None]) -> float | None:
-    pairs = [v / p for v, p in zip(values, peer, strict=True) if v is not None and p is not None]
+    """The paired ratio over the repetitions where both figures exist (a target reached, a rate measured)."""
+    pairs = [v / p for v, p in zip(values, peer, strict=True)
+             if v is not None and p is not None and math.isfinite(v) and math.isfinite(p)]
     return statistics.median(pairs) if pairs else None
 
 
@@ -350,9 +353,13 @@ def run_peers(config: Config) -> tuple[dict[str, Any], list[str], bool]:
              "| --- | ---: | ---: | ---: |"]
     ours = rates["replicator mode=async"]
     for name in rates:
-        spread = Spread.of(rates[name])
-        ratio = "(this package)" if name == "replicator mode=async" else f"{paired_ratio(ours, rates[name]):.3f}"
+        measured = [rate for rate in rates[name] if math.isfinite(rate)]
+        spread = Spread.of(measured) if measured else Spread(math.nan, math.nan, math.nan)
+        ratio = "(this package)" if name == "replicator mode=async" else _ratio(_paired_optional(ours, rates[name]))
         lines.append(f"| {name} | {spread.median:,.0f} | {spread.min:,.0f}–{spread.max:,.0f} | {ratio} |")
+        if len(measured) < len(rates[name]):
+            notes.append(f"{name}: in {len(rates[name]) - len(measured)} repetition(s) the workers' timed phases did "
+                         "not overlap; left out")
     lines.append(f"  replicator's workers spent {_spread([100 * w for w in waiting], '{:.0f}')} % of their time "
                  "blocked on the server (repl.last_run['asynchronous']['wait_seconds'])")
     lines += [f"  {note}" for note in notes]
@@ -482,8 +489,8 @@ def targets(config: Config, report: dict[str, Any]) -> list[str]:
         rates = report["peers"]["rates"]
         ours = rates["replicator mode=async"]
         for name, needed in (("torch.distributed.rpc pattern", 2.0), ("ray pattern", 1.5)):
-            if name in rates:
-                ratio = paired_ratio(ours, rates[name])
+            ratio = _paired_optional(ours, rates[name]) if name in rates else None
+            if ratio is not None:
                 say(f"updates/s >= {needed:g}x the {name}", ratio >= needed, f"{ratio:.2f}x")
             else:
                 say(f"updates/s >= {needed:g}x the {name}", None, "skipped")
