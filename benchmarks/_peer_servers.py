@@ -91,6 +91,8 @@ def rpc_rate_job(hidden: int, batch: int, lr: float, seed: int, steps: int) -> d
         init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", rpc_timeout=120)
     is_server = rank == world - 1
     train_x, train_y, _, _ = digits()  # before the rendezvous, so the workers start together
+    # torch's own TensorPipe set-up gathers its device maps through a deprecated path and says so on every rank.
+    warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
     rpc.init_rpc("server" if is_server else f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
     if is_server:
         rpc.shutdown()  # waits for every worker's shutdown: serves until they are done

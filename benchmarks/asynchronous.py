@@ -517,7 +517,8 @@ def targets(config: Config, report: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=(*PARTS, "all"), default="all", help="which part to run (default: all)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: one short repetition of each part")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: one short repetition of each part (its figures are not the claims')")
     parser.add_argument("--repeats", type=int, default=None,
                         help="repetitions of the straggler and peers parts (default 3 and 5)")
     parser.add_argument("--hidden", type=int, default=Config.hidden,
