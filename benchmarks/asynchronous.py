@@ -1,7 +1,7 @@
 """Asynchronous training: a straggler, updates/s against the peers' parameter-server patterns, DiLoCo's traffic.
 
 Command (from the repository root; figures go to benchmarks/results/asynchronous.json; 45 jobs
-of 2 to 4 processes, each starting afresh: 10 to 25 minutes on 2 cores, as loaded):
+of 2 to 4 processes, each starting afresh: 8 to 25 minutes on 2 cores, as loaded):
 
     .venv/bin/python benchmarks/asynchronous.py                 # all three parts
     .venv/bin/python benchmarks/asynchronous.py --part peers    # one part: straggler, peers or diloco
