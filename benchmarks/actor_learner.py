@@ -87,6 +87,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--replay-capacity", type=int, default=1_000_000)
     parser.add_argument("--replay-inserts", type=int, default=50_000)
     parser.add_argument("--replay-batches", type=int, default=2_000, help="batches of 256 per repetition")
+    parser.add_argument("--job-replay-inserts", type=int, default=5_000,
+                        help="inserts per repetition for rp.Replay in a job (each one a message between processes)")
     add_json_argument(parser, "actor_learner")
     return parser.parse_args()
 
@@ -424,7 +426,7 @@ def main() -> None:
         print(f"ring buffer (numpy, SB3's design), capacity {args.replay_capacity:,}: "
               f"{inserts.median:,.0f} inserts/s ({inserts.min:,.0f}-{inserts.max:,.0f}), "
               f"{samples.median:,.0f} sampled transitions/s ({samples.min:,.0f}-{samples.max:,.0f})")
-        jobs = [run_replicas(replay_job, 2, args.replay_inserts, args.replay_batches, args.replay_capacity,
+        jobs = [run_replicas(replay_job, 2, args.job_replay_inserts, args.replay_batches, args.replay_capacity,
                              timeout_s=600, env={"REPLICATOR_PROGRESS": "0"}) for _ in range(args.replay_repeats)]
         library_inserts = Spread.of([actor["inserts_per_s"] for _, actor in jobs])
         library_samples = Spread.of([learner["samples_per_s"] for learner, _ in jobs])

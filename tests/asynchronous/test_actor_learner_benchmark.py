@@ -47,7 +47,8 @@ def test_a_short_benchmark_run_reports_every_arm(tmp_path: Path) -> None:
     d4pg = ("--steps 40 --min-replay 200 --batch-size 64 --samples-per-insert 32 --hidden 32 --update-period 20")
     command = [sys.executable, str(BENCHMARK), "--algorithms", "d4pg", "td3", "ddpg", "--seeds", "0", "--env-steps",
                "300", "--learning-starts", "200", "--eval-every", "150", "--eval-episodes", "2", "--replay-repeats",
-               "1", "--replay-inserts", "500", "--replay-batches", "20", "--d4pg-args", d4pg, "--json", str(output)]
+               "1", "--replay-inserts", "500", "--job-replay-inserts", "300",
+               "--replay-batches", "20", "--d4pg-args", d4pg, "--json", str(output)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=140, cwd=ROOT,
                             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "REPLICATOR_THREADS": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
