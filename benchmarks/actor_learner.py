@@ -1,13 +1,24 @@
-"""Actor-learner baselines on Pendulum-v1: TD3 and DDPG to Stable-Baselines3's recipe, and a numpy ring buffer's speed.
+"""Actor-learner on Pendulum-v1: D4PG through replicator's regime against TD3 and DDPG to SB3's recipe; replay speed.
 
-Command (from the repository root; about 5-10 minutes on one core; figures go to
+Command (from the repository root; about 10-20 minutes on a small machine; figures go to
 benchmarks/results/actor_learner.json):
 
-    .venv/bin/python benchmarks/actor_learner.py                       # TD3 and DDPG, seeds 0 1 2, and the replay
-    .venv/bin/python benchmarks/actor_learner.py --algorithms td3 --seeds 0 --full-curve
+    .venv/bin/python benchmarks/actor_learner.py                       # D4PG, TD3, DDPG, seeds 0 1 2, the replays
+    .venv/bin/python benchmarks/actor_learner.py --algorithms d4pg td3 --seeds 0 --full-curve
     .venv/bin/python benchmarks/actor_learner.py --algorithms --replay-repeats 5   # the replay arm alone
 
-Two arms, each a peer for replicator's actor-learner regime (issue 18):
+The library's arm, `d4pg`, runs examples/d4pg.py as its own job (1 learner + 2 actors + the
+evaluator: 4 processes, as `replicator launch -n 4 examples/d4pg.py --actors 2 --learners 1
+--stop-at-target` does) and reads the curve.json its evaluator and learner 0 write: env steps
+and wall-clock seconds (since the evaluator started; evaluation runs beside the training, in its
+own process) to the first evaluation at -200, the realised samples per insert against its
+target, and the p95 policy lag against an actor's pull interval in learner steps. The seeds
+run in turns (d4pg, td3, ddpg for seed 0, then seed 1, ...), so slow drifts of the machine's
+load hit the arms alike; the D4PG/TD3 wall ratio is the median of the per-seed ratios. The
+library uses 4 processes where the baselines use one: on a machine with fewer free cores they
+share them.
+
+The peers:
 
 - Time to -200: a single-process off-policy loop written to the SB3 zoo's Pendulum-v1
   hyperparameters (gamma 0.98, 10,000 uniformly random steps before learning, then one
@@ -21,14 +32,26 @@ Two arms, each a peer for replicator's actor-learner regime (issue 18):
 - Replay throughput: a numpy ring buffer of SB3's design (preallocated arrays, a write position
   and a `full` flag, uniform sampling with replacement, batches handed over as torch tensors):
   single-transition inserts per second and sampled transitions per second (batches of 256), as
-  medians over --replay-repeats repetitions, on Pendulum-sized transitions.
+  medians over --replay-repeats repetitions, on Pendulum-sized transitions. Against it,
+  rp.Replay as a job uses it (`replay_job`: 1 learner + 1 actor): inserts per second are an
+  actor's `actor.add()` calls, each of which assembles the transition, packs it, and sends it to
+  the learner's shard over Gloo and waits for the answer (a process boundary the ring buffer
+  does not cross); sampled transitions per second are the learner's batches of 256 through
+  `repl.run` with a step_fn that does nothing (the step loop's own cost included), drawn once
+  every insert is in. Not the same thing as the ring buffer's in-process calls: the gap is the
+  price of the transport and the loop, which is what a user of the regime pays.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -41,13 +64,16 @@ import torch.nn.functional as F
 from _harness import Spread, add_json_argument, machine, machine_line, write_json
 from torch import nn
 
+import replicator as rp
+from replicator.testing import run_replicas
+
 ENV = "Pendulum-v1"
 TARGET_RETURN = -200.0
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--algorithms", nargs="*", default=["td3", "ddpg"], choices=["td3", "ddpg"])
+    parser.add_argument("--algorithms", nargs="*", default=["d4pg", "td3", "ddpg"], choices=["d4pg", "td3", "ddpg"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--env-steps", type=int, default=20_000)
     parser.add_argument("--eval-every", type=int, default=1_000)
@@ -55,10 +81,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--learning-starts", type=int, default=None,
                         help="random env steps before learning (default: the recipe's 10,000)")
     parser.add_argument("--full-curve", action="store_true", help="train all --env-steps, not only until -200")
+    parser.add_argument("--d4pg-args", default="",
+                        help="more arguments for examples/d4pg.py (e.g. '--steps 60 --min-replay 200' for a short run)")
     parser.add_argument("--replay-repeats", type=int, default=3, help="repetitions of the replay arm (0: skip it)")
     parser.add_argument("--replay-capacity", type=int, default=1_000_000)
     parser.add_argument("--replay-inserts", type=int, default=50_000)
     parser.add_argument("--replay-batches", type=int, default=2_000, help="batches of 256 per repetition")
+    parser.add_argument("--job-replay-inserts", type=int, default=5_000,
+                        help="inserts per repetition for rp.Replay in a job (each one a message between processes)")
     add_json_argument(parser, "actor_learner")
     return parser.parse_args()
 
@@ -246,6 +276,42 @@ def _frozen_copy(module: nn.Module) -> nn.Module:
     return clone
 
 
+# -- the library: examples/d4pg.py as a job ------------------------------------------------------
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples", "d4pg.py")
+
+
+def train_d4pg_library(seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of examples/d4pg.py (1 learner + 2 actors + the evaluator) to -200; its curve and counters."""
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, EXAMPLE, "--actors", "2", "--learners", "1", "--seed", str(seed), "--out", out,
+                   "--eval-every", str(args.eval_every), "--eval-episodes", str(args.eval_episodes),
+                   *([] if args.full_curve else ["--stop-at-target"]), *args.d4pg_args.split()]
+        environment = dict(os.environ, REPLICATOR_PROGRESS="0")
+        started = time.perf_counter()
+        result = subprocess.run(command, capture_output=True, text=True, env=environment)
+        launched = time.perf_counter() - started
+        if result.returncode:
+            raise RuntimeError(f"examples/d4pg.py failed ({' '.join(command)}):\n{result.stdout}{result.stderr}")
+        with open(os.path.join(out, "curve.json")) as handle:
+            curve = json.load(handle)
+    for line in result.stdout.splitlines():
+        if line.startswith((" ", "learners:")) or line[:1].isdigit():
+            print(f"  {line}", flush=True)
+    figures = curve["actor_learner"]
+    interval = figures["pull_interval_learner_steps"]
+    lag_p95 = figures["policy_lag"]["p95"]
+    points = [{"env_steps": p["env_steps"], "seconds": p["seconds"], "mean_return": p["mean_return"],
+               "std_return": p["std_return"], "learner_steps": p["learner_steps"]} for p in curve["points"]]
+    reached = curve["reached"]
+    return {"seed": seed, "reached": None if reached is None else {k: reached[k] for k in points[0]},
+            "curve": points, "launch_seconds": launched, "samples_per_insert": figures["samples_per_insert"],
+            "target_samples_per_insert": figures["target_samples_per_insert"], "policy_lag": figures["policy_lag"],
+            "pull_interval_learner_steps": interval,
+            "policy_lag_p95_intervals": None if lag_p95 is None or not interval else lag_p95 / interval,
+            "learner_steps": figures["learner_steps"], "env_steps": figures["env_steps"]}
+
+
 # -- replay throughput --------------------------------------------------------------------------
 
 
@@ -274,6 +340,41 @@ def replay_throughput(make: Callable[[], Replay], inserts: int, batches: int, ba
     return {"inserts_per_s": (inserts - 1) / insert_seconds, "samples_per_s": batches * batch_size / sample_seconds}
 
 
+def replay_job(inserts: int, batches: int, capacity: int) -> dict[str, float]:
+    """rp.Replay in a job of 1 learner + 1 actor: the actor's add() calls per second, then (every insert in) the
+    learner's sampled transitions per second through repl.run with a step_fn that does nothing."""
+    torch.set_num_threads(1)
+    repl = rp.Replicator(mode="actor_learner", actors=1)
+    replay = rp.Replay(capacity=capacity, batch_size=256, samples_per_insert=None, min_size=inserts - 1, n_step=1,
+                       seed=0)
+    with repl.scope():
+        nn.Linear(3, 1)  # the weights actors pull: a token model
+    rng = np.random.default_rng(0)
+    observations = rng.standard_normal((inserts, 3), dtype=np.float32)
+    actions = rng.uniform(-1, 1, (inserts, 1)).astype(np.float32)
+    figures: dict[str, float] = {}
+
+    def actor_fn(actor: rp.ActorContext) -> None:
+        started = time.perf_counter()
+        for i in range(inserts - 1):
+            actor.add(observation=observations[i], action=actions[i], reward=-1.0,
+                      next_observation=observations[i + 1])
+        figures["inserts_per_s"] = (inserts - 1) / (time.perf_counter() - started)
+        while actor.running:
+            time.sleep(0.01)
+
+    stamps: list[float] = []
+
+    def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> None:
+        stamps.append(time.perf_counter())
+
+    for _ in repl.run(step_fn, repl.prepare_input(replay), steps=batches, actor_fn=actor_fn, update_period=10**9):
+        pass
+    if stamps:
+        figures["samples_per_s"] = (len(stamps) - 1) * 256 / (stamps[-1] - stamps[0])
+    return figures
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 
@@ -289,16 +390,19 @@ def main() -> None:
     for seed in args.seeds:  # seed by seed, the algorithms in turns: slow drifts of the load hit them alike
         for name in args.algorithms:
             print(f"{name} seed {seed}", flush=True)
+            if name == "d4pg":
+                runs[name].append(train_d4pg_library(seed, args))
+                continue
             recipe = RECIPES[name]
             if args.learning_starts is not None:
                 recipe = dataclasses.replace(recipe, learning_starts=args.learning_starts)
             runs[name].append(train(recipe, seed, args))
     for name, results in runs.items():
         reached = [r["reached"] for r in results]
-        summary: dict[str, Any] = {"recipe": asdict(RECIPES[name]) | {"learning_starts": args.learning_starts
-                                                                       or RECIPES[name].learning_starts},
-                                   "runs": results,
-                                   "reached": sum(r is not None for r in reached)}
+        summary: dict[str, Any] = {"runs": results, "reached": sum(r is not None for r in reached)}
+        if name in RECIPES:
+            summary["recipe"] = asdict(RECIPES[name]) | {"learning_starts": args.learning_starts
+                                                         or RECIPES[name].learning_starts}
         if all(r is not None for r in reached):
             summary["median_env_steps"] = statistics.median(r["env_steps"] for r in reached)
             summary["median_seconds"] = statistics.median(r["seconds"] for r in reached)
@@ -308,6 +412,9 @@ def main() -> None:
         print(f"{name}: env steps to {TARGET_RETURN:g} per seed [{steps}], training seconds [{seconds}]"
               + (f"; median {summary['median_env_steps']:g} steps, {summary['median_seconds']:.1f} s"
                  if "median_seconds" in summary else ""))
+
+    if "d4pg" in runs:
+        report["d4pg_targets"] = library_targets(runs, report)
 
     if args.replay_repeats:
         figures = [replay_throughput(lambda: RingBuffer(args.replay_capacity, 3, 1), args.replay_inserts,
@@ -319,7 +426,45 @@ def main() -> None:
         print(f"ring buffer (numpy, SB3's design), capacity {args.replay_capacity:,}: "
               f"{inserts.median:,.0f} inserts/s ({inserts.min:,.0f}-{inserts.max:,.0f}), "
               f"{samples.median:,.0f} sampled transitions/s ({samples.min:,.0f}-{samples.max:,.0f})")
+        jobs = [run_replicas(replay_job, 2, args.job_replay_inserts, args.replay_batches, args.replay_capacity,
+                             timeout_s=600, env={"REPLICATOR_PROGRESS": "0"}) for _ in range(args.replay_repeats)]
+        library_inserts = Spread.of([actor["inserts_per_s"] for _, actor in jobs])
+        library_samples = Spread.of([learner["samples_per_s"] for learner, _ in jobs])
+        report["replay"]["rp_replay"] = {"inserts_per_s": asdict(library_inserts),
+                                         "samples_per_s": asdict(library_samples),
+                                         "measured": "actor.add() across processes (Gloo, one message per "
+                                                     "transition); the learner's batches through repl.run"}
+        print(f"rp.Replay (1 learner + 1 actor; inserts through actor.add() over Gloo, samples through repl.run): "
+              f"{library_inserts.median:,.0f} inserts/s ({library_inserts.min:,.0f}-{library_inserts.max:,.0f}), "
+              f"{library_samples.median:,.0f} sampled transitions/s "
+              f"({library_samples.min:,.0f}-{library_samples.max:,.0f})")
     write_json(args.json, report, header)
+
+
+def library_targets(runs: dict[str, list[dict[str, Any]]], report: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets for the library's arm, each with its figure and whether it is met."""
+    library = runs["d4pg"]
+    targets: dict[str, Any] = {}
+    steps = report["d4pg"].get("median_env_steps")
+    targets["env_steps_to_target"] = {"median": steps, "limit": 20_000, "met": steps is not None and steps <= 20_000}
+    if "td3" in runs:
+        ratios = [mine["reached"]["seconds"] / peer["reached"]["seconds"]
+                  for mine, peer in zip(library, runs["td3"], strict=True) if mine["reached"] and peer["reached"]]
+        ratio = statistics.median(ratios) if len(ratios) == len(library) else None
+        targets["wall_ratio_to_td3"] = {"per_seed": ratios, "median": ratio, "limit": 0.8,
+                                        "met": ratio is not None and ratio <= 0.8}
+    deviations = [abs(r["samples_per_insert"] / r["target_samples_per_insert"] - 1) for r in library
+                  if r["samples_per_insert"] and r["target_samples_per_insert"]]
+    targets["samples_per_insert"] = {"realised": [r["samples_per_insert"] for r in library],
+                                     "target": library[0]["target_samples_per_insert"], "limit": "within 10%",
+                                     "met": len(deviations) == len(library) and max(deviations) <= 0.1}
+    lags = [r["policy_lag_p95_intervals"] for r in library]
+    targets["policy_lag_p95"] = {"learner_steps": [r["policy_lag"]["p95"] for r in library], "pull_intervals": lags,
+                                 "limit": "2 pull intervals", "met": all(v is not None and v <= 2 for v in lags)}
+    for name, target in targets.items():
+        figure = {key: value for key, value in target.items() if key not in ("met",)}
+        print(f"d4pg target {name}: {'met' if target['met'] else 'NOT met'} {figure}", flush=True)
+    return targets
 
 
 if __name__ == "__main__":

@@ -1,30 +1,31 @@
 """D4PG (arXiv 1804.08617) on gymnasium's Pendulum-v1: a deterministic actor, a distributional critic, N-step returns.
 
-    python examples/d4pg.py --single-process                        # one process, a few minutes on one core
-    python examples/d4pg.py --single-process --seed 3 --out runs/d4pg-3
-    python examples/d4pg.py --single-process --prioritized          # replay sampled by |TD error|
-    python examples/d4pg.py --single-process --env dmc:cartpole-swingup --v-min -150 --v-max 150  # dm-control
+    python examples/d4pg.py                         # 1 learner, 2 actors, the evaluator: 4 processes
+    replicator launch -n 4 examples/d4pg.py         # the same job, started by the launcher (or torchrun)
+    python examples/d4pg.py --learners 2 --seed 3 --out runs/d4pg-3   # 2 learners, a synchronous replica group
+    python examples/d4pg.py --prioritized           # replay sampled by |TD error|
+    python examples/d4pg.py --env dmc:cartpole-swingup --v-min -150 --v-max 150   # with dm-control installed
 
 D4PG is DDPG with four changes: the critic predicts a *distribution* of returns (51 atoms
 on a fixed support, trained with a cross-entropy against the projected Bellman target),
-N-step returns, many actors feeding one replay, and (optionally) prioritized replay. Here
-the actors step an environment with the current policy plus Gaussian noise and add their
-transitions to the replay; the learner samples batches of N-step transitions from it and
-updates the critic, then the policy along the critic's slope in the action. It prints a
-learning curve (mean return of deterministic evaluation episodes) and writes it, as JSON and
-as a PNG against env steps and against wall-clock seconds, to --out.
-
-`--single-process` runs one actor, the learner and the evaluator in this process, taking turns
-at the samples-per-insert ratio (`train_single_process`, at the bottom). `actor_fn` and
-`step_fn` are written to the shape of replicator's actor-learner regime (issue 18), so that
-when it lands the launch below replaces that driver with one `repl.run(...)` call:
-
-    replicator launch -n 4 examples/d4pg.py --actors 2 --learners 1   # 1 learner, 2 actors, 1 evaluator
+N-step returns, many actors feeding one replay, and (optionally) prioritized replay. It runs
+on replicator's actor-learner regime (docs/asynchronous.md), one process per role: actors
+step an environment with the policy plus Gaussian noise and `actor.add()` each step (the
+library assembles N-step transitions, sends them to a learner's replay shard, holds the
+actors back when they run ahead of the samples-per-insert rate limiter, and pulls the
+learners' newest weights every --update-period steps); the learners sample batches from
+their shards and update the critic, then the policy along the critic's slope in the action,
+their gradients averaged as in any synchronous replica group; the evaluator runs
+deterministic episodes of the newest policy every --eval-every env steps. The evaluator
+prints the learning curve and writes it, as JSON and as a PNG against env steps and
+wall-clock seconds, to --out; learner 0 adds the run's counters (realised samples per insert,
+policy lag) to the JSON. Run plainly, the script starts its own job on this machine.
 
 Hyperparameters, and why (Pendulum-v1: 200-step episodes, rewards in [-16.3, 0], a 1-d torque;
 the target is a mean evaluation return of -200 within 20,000 env steps; figures below are env
 steps to -200 with seeds 0, 1, 2 and the held-out seed 3, 10 deterministic evaluation episodes
-every 1,000 env steps):
+every 1,000 env steps; tuned with one actor taking turns with the learner in one process, before the
+library's regime existed):
 - samples per insert 128 with batch 256, after 1,000 warm-up transitions: a learner step per
   2 env steps. It got there at 3,000 / 3,000 / 4,000 env steps (1,000-1,500 learner steps), and 3,000
   for seed 3. Acme's 32 (a step per 8 env steps) needs fewer learner steps when it works
@@ -47,11 +48,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
+import sys
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -68,11 +68,10 @@ import replicator as rp
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--actors", type=int, default=2, help="actor processes (the launched job)")
-    parser.add_argument("--learners", type=int, default=1,
-                        help="learner processes, a synchronous replica group (the launched job)")
-    parser.add_argument("--single-process", action="store_true",
-                        help="one actor, the learner and the evaluator in this process, taking turns")
+    parser.add_argument("--actors", type=int, default=2, help="actor processes")
+    parser.add_argument("--learners", type=int, default=None,
+                        help="learner processes, a synchronous replica group (default: 1 when run plainly; under a "
+                             "launcher, the processes that are not actors or the evaluator)")
     parser.add_argument("--env", default="Pendulum-v1", help="a gymnasium id, or dmc:DOMAIN-TASK (dm-control)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=9_500,
@@ -101,11 +100,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # the actors and the evaluator
     parser.add_argument("--sigma", type=float, default=0.2, help="exploration noise, in units of half the action range")
     parser.add_argument("--update-period", type=int, default=100,
-                        help="actors pull weights every this many env steps (the launched job)")
-    parser.add_argument("--eval-every", type=int, default=1_000, help="env steps between evaluations")
+                        help="actors pull the learners' weights every this many of their env steps")
+    parser.add_argument("--eval-every", type=int, default=1_000, help="env steps (all actors') between evaluations")
     parser.add_argument("--eval-episodes", type=int, default=10)
     parser.add_argument("--target-return", type=float, default=-200.0, help="the curve reports when it gets there")
-    parser.add_argument("--stop-at-target", action="store_true", help="end training at the first evaluation there")
+    parser.add_argument("--stop-at-target", action="store_true",
+                        help="the evaluator ends the run at the first evaluation there")
     return parser.parse_args(argv)
 
 
@@ -230,123 +230,6 @@ def categorical_projection(probs: torch.Tensor, atoms: torch.Tensor, reward: tor
     return projected[:, :size]
 
 
-# -- N-step transitions and the replay ----------------------------------------------------------
-
-
-@dataclass
-class Transition:
-    """One N-step transition: from `observation`, `action`, then `reward` (discounted sum over k <= N steps)
-    until `next_observation`; `discount` is discount**k, or 0 when the episode terminated within them."""
-
-    observation: np.ndarray
-    action: np.ndarray
-    reward: float
-    discount: float
-    next_observation: np.ndarray
-
-
-class NStepAssembler:
-    """Turns one actor's env steps into N-step transitions, one per env step.
-
-    Full windows of N steps come out as they fill; when an episode ends, the steps still in
-    the window come out with shorter horizons. After `terminated` the value beyond is 0
-    (discount 0); after `truncated` (a time limit) the episode was cut, not ended, so the
-    last observation's value is still bootstrapped (discount**k).
-    """
-
-    def __init__(self, n_step: int, discount: float) -> None:
-        self.n_step = n_step
-        self.discount = discount
-        self.window: deque[tuple[np.ndarray, np.ndarray, float]] = deque()
-
-    def add(self, observation: np.ndarray, action: np.ndarray, reward: float, next_observation: np.ndarray,
-            terminated: bool, truncated: bool) -> list[Transition]:
-        self.window.append((observation, action, float(reward)))
-        ready = []
-        if terminated or truncated:
-            while self.window:
-                ready.append(self._oldest(next_observation, terminated))
-                self.window.popleft()
-        elif len(self.window) == self.n_step:
-            ready.append(self._oldest(next_observation, terminated=False))
-            self.window.popleft()
-        return ready
-
-    def _oldest(self, next_observation: np.ndarray, terminated: bool) -> Transition:
-        observation, action, _ = self.window[0]
-        reward = sum(self.discount**k * r for k, (_, _, r) in enumerate(self.window))
-        discount = 0.0 if terminated else self.discount ** len(self.window)
-        return Transition(observation, action, reward, discount, next_observation)
-
-
-@dataclass
-class ReplaySample:
-    """A batch, as the learner's step_fn receives it (rp.ReplaySample's fields)."""
-
-    observation: torch.Tensor
-    action: torch.Tensor
-    reward: torch.Tensor
-    discount: torch.Tensor
-    next_observation: torch.Tensor
-    weight: torch.Tensor  # importance weights; ones when sampling is uniform
-    key: torch.Tensor  # which items, for update_priorities
-
-
-class LocalReplay:
-    """A minimal FIFO replay for the single-process driver: uniform, or prioritized (Schaul et al. 2015).
-
-    Prioritized: item i is drawn with probability p_i**alpha / sum_k p_k**alpha, new items get
-    the largest priority seen so far (each is learnt from at least once), and the loss of each
-    draw is weighted by (size * P(i))**-beta / max, which undoes the bias of the skewed sampling.
-    Sampling is O(size): fine for one process and Pendulum's 20,000 steps.
-    """
-
-    def __init__(self, capacity: int, observation_size: int, action_size: int, batch_size: int, *,
-                 prioritized: bool, priority_exponent: float, importance_exponent: float, seed: int) -> None:
-        self.capacity, self.batch_size, self.prioritized = capacity, batch_size, prioritized
-        self.priority_exponent, self.importance_exponent = priority_exponent, importance_exponent
-        self.observation = torch.zeros(capacity, observation_size)
-        self.action = torch.zeros(capacity, action_size)
-        self.reward = torch.zeros(capacity)
-        self.discount = torch.zeros(capacity)
-        self.next_observation = torch.zeros(capacity, observation_size)
-        self.priority = torch.zeros(capacity, dtype=torch.float64)
-        self.max_priority = 1.0
-        self.size = self.position = self.inserts = self.samples = 0
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def insert(self, transition: Transition) -> None:
-        i = self.position
-        self.observation[i] = torch.as_tensor(transition.observation)
-        self.action[i] = torch.as_tensor(transition.action)
-        self.reward[i] = transition.reward
-        self.discount[i] = transition.discount
-        self.next_observation[i] = torch.as_tensor(transition.next_observation)
-        self.priority[i] = self.max_priority
-        self.position = (i + 1) % self.capacity
-        self.size = min(self.size + 1, self.capacity)
-        self.inserts += 1
-
-    def sample(self) -> ReplaySample:
-        if self.prioritized:
-            probability = self.priority[: self.size] ** self.priority_exponent
-            probability /= probability.sum()
-            key = torch.multinomial(probability, self.batch_size, replacement=True, generator=self.generator)
-            weight = (self.size * probability[key]) ** -self.importance_exponent
-            weight = (weight / weight.max()).float()
-        else:
-            key = torch.randint(self.size, (self.batch_size,), generator=self.generator)
-            weight = torch.ones(self.batch_size)
-        self.samples += self.batch_size
-        return ReplaySample(self.observation[key], self.action[key], self.reward[key], self.discount[key],
-                            self.next_observation[key], weight, key)
-
-    def update_priorities(self, key: torch.Tensor, priority: torch.Tensor) -> None:
-        priority = priority.detach().double() + 1e-6  # never 0: every item keeps a chance
-        self.priority[key] = priority
-        self.max_priority = max(self.max_priority, float(priority.max()))
-
-
 # -- the learning curve -------------------------------------------------------------------------
 
 
@@ -369,15 +252,16 @@ def evaluate(policy: nn.Module, env_name: str, episodes: int, seed: int) -> list
     return returns
 
 
+
 @dataclass
 class CurvePoint:
-    env_steps: int
-    learner_steps: int
-    seconds: float  # wall-clock of training, evaluation excluded (a separate process in the launched job)
+    env_steps: int  # all actors', as of their latest weight pulls
+    learner_steps: int  # the version of the weights evaluated
+    seconds: float  # wall-clock since the evaluator started (it evaluates beside the training, in its own process)
     mean_return: float
     std_return: float
-    critic_loss: float
-    samples_per_insert: float
+    samples_per_insert: float  # realised so far, job-wide
+    policy_lag_p95: float  # learner steps between the weights that acted and the learner's, at insert
 
 
 @dataclass
@@ -387,17 +271,17 @@ class LearningCurve:
 
     def add(self, point: CurvePoint) -> None:
         if not self.points:
-            print(" env steps | learner steps | train s | eval return      | critic loss | samples/insert", flush=True)
+            print(" env steps | learner steps | wall s | eval return      | samples/insert | lag p95", flush=True)
         self.points.append(point)
-        print(f"{point.env_steps:10d} | {point.learner_steps:13d} | {point.seconds:7.1f} | "
-              f"{point.mean_return:7.1f} +- {point.std_return:5.1f} | {point.critic_loss:11.4f} | "
-              f"{point.samples_per_insert:14.1f}", flush=True)
+        print(f"{point.env_steps:10d} | {point.learner_steps:13d} | {point.seconds:6.1f} | "
+              f"{point.mean_return:7.1f} +- {point.std_return:5.1f} | {point.samples_per_insert:14.1f} | "
+              f"{point.policy_lag_p95:7.0f}", flush=True)
 
     def reached(self) -> CurvePoint | None:
         """The first evaluation at or above the target return."""
         return next((p for p in self.points if p.mean_return >= self.target), None)
 
-    def save(self, directory: str, title: str) -> None:
+    def save(self, directory: str, title: str, settings: dict[str, Any]) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -407,7 +291,7 @@ class LearningCurve:
         first = self.reached()
         with open(os.path.join(directory, "curve.json"), "w") as handle:
             json.dump({"target": self.target, "reached": asdict(first) if first else None,
-                       "points": [asdict(p) for p in self.points]}, handle, indent=1)
+                       "points": [asdict(p) for p in self.points], "settings": settings}, handle, indent=1)
         figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
         for axis, x, label in ((axes[0], "env_steps", "env steps"), (axes[1], "seconds", "wall-clock seconds")):
             values = [getattr(p, x) for p in self.points]
@@ -428,18 +312,55 @@ class LearningCurve:
 # -- training -----------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> LearningCurve:
+class EnvironmentUnavailable(RuntimeError):
+    """--env names an environment this process cannot make (not installed, or no such id)."""
+
+
+def probe_env(name: str, who: str) -> tuple[int, int]:
+    """(observation size, action size) of `name`; every process builds the networks from them, so every process
+    fails here, saying which it is, when the environment is missing."""
+    try:
+        probe = make_env(name)
+    except ImportError as error:  # its message says what to install
+        raise EnvironmentUnavailable(f"{who}: {error}") from error
+    except gymnasium.error.Error as error:
+        raise EnvironmentUnavailable(
+            f"{who}: --env {name}: {str(error).rstrip('.')}: check the id (python -c 'import gymnasium; "
+            "gymnasium.pprint_registry()' lists them) and install the package that registers it") from error
+    return gymnasium.spaces.flatdim(probe.observation_space), gymnasium.spaces.flatdim(probe.action_space)
+
+
+def launch_job(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """Run plainly (no launcher): start the job of learners, actors and the evaluator on this machine."""
+    from replicator.launch import LaunchSpec, launch
+
+    processes = (args.learners or 1) + args.actors + 1
+    print(f"d4pg: starting {processes} processes: {args.learners or 1} learner(s), {args.actors} actor(s) and the "
+          "evaluator (replicator launch does the same)", flush=True)
+    script_args = list(sys.argv[1:] if argv is None else argv)
+    return launch(LaunchSpec(os.path.abspath(__file__), script_args, nproc_per_node=processes, threads_per_process=1))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
-    if not args.single_process:
-        raise SystemExit("the launched actor-learner job needs replicator's actor-learner regime (issue 18), "
-                         "not in this version yet: run with --single-process meanwhile")
-    probe = make_env(args.env)  # fails here, with what to install, when the environment is missing
-    observation_size = gymnasium.spaces.flatdim(probe.observation_space)
-    action_size = gymnasium.spaces.flatdim(probe.action_space)
+    if "WORLD_SIZE" not in os.environ:  # not started by a launcher: become one
+        raise SystemExit(launch_job(args, argv))
     torch.set_num_threads(1)  # small networks: more threads only add synchronisation
 
-    repl = rp.Replicator()
-    with repl.scope():
+    repl = rp.Replicator(mode="actor_learner", actors=args.actors, evaluator=True)
+    who = f"{repl.role} (rank {repl.topology.rank})"
+    learners = repl.topology.world_size - args.actors - 1
+    if args.learners is not None and args.learners != learners:
+        raise SystemExit(f"d4pg: {who}: --learners {args.learners} --actors {args.actors} and the evaluator make "
+                         f"{args.learners + args.actors + 1} processes, but {repl.topology.world_size} were "
+                         f"launched: launch -n {args.learners + args.actors + 1}, or leave --learners out")
+    observation_size, action_size = probe_env(args.env, who)
+    replay = rp.Replay(capacity=args.replay_capacity, batch_size=args.batch_size,
+                       samples_per_insert=args.samples_per_insert, tolerance=0.1, min_size=args.min_replay,
+                       n_step=args.n_step, discount=args.discount, prioritized=args.prioritized,
+                       priority_exponent=args.priority_exponent, importance_exponent=args.importance_exponent,
+                       seed=args.seed)
+    with repl.scope():  # every role builds the same modules: actors and the evaluator load the learners' weights
         torch.manual_seed(args.seed)
         atoms = torch.linspace(args.v_min, args.v_max, args.atoms)
         policy = Policy(observation_size, action_size, args.hidden)
@@ -447,11 +368,8 @@ def main(argv: Sequence[str] | None = None) -> LearningCurve:
         target_policy, target_critic = copy.deepcopy(policy), copy.deepcopy(critic)
         policy_opt = repl.wrap_optimizer(torch.optim.Adam(policy.parameters(), lr=args.policy_lr))
         critic_opt = repl.wrap_optimizer(torch.optim.Adam(critic.parameters(), lr=args.critic_lr))
-    replay = LocalReplay(args.replay_capacity, observation_size, action_size, args.batch_size,
-                         prioritized=args.prioritized, priority_exponent=args.priority_exponent,
-                         importance_exponent=args.importance_exponent, seed=args.seed)
 
-    def step_fn(ctx: rp.ReplicaContext, batch: ReplaySample) -> dict[str, torch.Tensor]:
+    def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> dict[str, torch.Tensor]:
         # The critic: cross-entropy between its distribution at (s, a) and the projected target.
         with torch.no_grad():
             next_action = target_policy(batch.next_observation)
@@ -461,11 +379,11 @@ def main(argv: Sequence[str] | None = None) -> LearningCurve:
         cross_entropy = -(target * log_probs).sum(-1)
         critic_loss = (batch.weight * cross_entropy).mean()
         critic_opt.zero_grad()
-        critic_loss.backward()
+        critic_loss.backward()  # the learners' critic gradients are averaged here
         critic_opt.step()
-        if args.prioritized:
+        if args.prioritized:  # this learner's own shard: the keys of its own batch
             td_error = (target * atoms).sum(-1) - (log_probs.detach().exp() * atoms).sum(-1)
-            replay.update_priorities(batch.key, td_error.abs())
+            replay.update_priorities(batch.key, td_error.abs() + 1e-6)
 
         # The policy: the deterministic policy gradient. dQ/da is taken with autograd.grad, which
         # leaves the critic's .grad alone (no critic gradients to average), and pushed back through
@@ -489,97 +407,75 @@ def main(argv: Sequence[str] | None = None) -> LearningCurve:
                     p_target.lerp_(p, args.tau)
         return {"critic_loss": ctx.all_mean(critic_loss.detach()), "q": ctx.all_mean(q.detach().mean())}
 
-    def actor_fn(actor: Any) -> None:  # rp.ActorContext once the regime lands
+    def actor_fn(actor: rp.ActorContext) -> None:
+        if actor.is_evaluator:
+            return evaluator_fn(actor)
         env = make_env(args.env)
-        noise = torch.Generator().manual_seed(actor.seed)
         observation, _ = env.reset(seed=actor.seed)
         while actor.running:
-            with torch.no_grad():
+            with torch.no_grad():  # torch's generator is seeded with actor.seed: each actor explores its own way
                 action = policy(torch.as_tensor(observation, dtype=torch.float32))
-                action = (action + args.sigma * torch.randn(action.shape, generator=noise)).clamp(-1.0, 1.0)
+                action = (action + args.sigma * torch.randn(action.shape)).clamp(-1.0, 1.0)
             next_observation, reward, terminated, truncated, _ = env.step(action.numpy())
+            # N-step assembly, the send to a learner's shard, the rate limiter and the weight pulls happen here.
             actor.add(observation=observation, action=action, reward=reward, next_observation=next_observation,
                       terminated=terminated, truncated=truncated)
             observation = env.reset()[0] if terminated or truncated else next_observation
 
-    curve = train_single_process(args, repl, step_fn, actor_fn, policy, replay)
-    first = curve.reached()
-    print(f"{args.env}, seed {args.seed}: " + (
-        f"mean evaluation return >= {args.target_return:g} after {first.env_steps} env steps, "
-        f"{first.seconds:.1f} s of training" if first else f"never reached {args.target_return:g}"))
-    if args.out:
-        curve.save(args.out, f"D4PG on {args.env}, seed {args.seed}")
-        print(f"learning curve written to {args.out}/curve.png and curve.json")
-    return curve
+    def evaluator_fn(actor: rp.ActorContext) -> None:
+        """Every eval_every env steps (job-wide), the learners' newest policy without noise; the curve to --out."""
+        curve, due = LearningCurve(args.target_return), args.eval_every
+        while actor.running:
+            counters = actor.counters()
+            if counters["env_steps"] < due:
+                time.sleep(0.05)
+                continue
+            actor.update_weights()
+            returns = evaluate(policy, args.env, args.eval_episodes, seed=10_000 + args.seed * 100)
+            curve.add(CurvePoint(counters["env_steps"], actor.version, counters["seconds"], float(np.mean(returns)),
+                                 float(np.std(returns)), counters["samples_per_insert"] or 0.0,
+                                 counters["policy_lag"]["p95"] or 0))
+            due = (counters["env_steps"] // args.eval_every + 1) * args.eval_every
+            if args.stop_at_target and curve.reached():
+                actor.end_run(f"mean evaluation return {curve.points[-1].mean_return:.1f} >= {args.target_return:g}")
+                break
+        first = curve.reached()
+        print(f"{args.env}, seed {args.seed}: " + (
+            f"mean evaluation return >= {args.target_return:g} after {first.env_steps} env steps, "
+            f"{first.seconds:.1f} s" if first else f"never reached {args.target_return:g}"), flush=True)
+        if args.out:
+            curve.save(args.out, f"D4PG on {args.env}, {learners} learner(s) + {args.actors} actor(s), seed "
+                       f"{args.seed}", vars(args) | {"learners": learners})
+            print(f"learning curve written to {args.out}/curve.png and curve.json", flush=True)
+
+    for _ in repl.run(step_fn, repl.prepare_input(replay), steps=args.steps, actor_fn=actor_fn,
+                      update_period=args.update_period):
+        pass
+    figures = repl.last_run["actor_learner"]
+    if repl.role == "learner" and repl.replica_id == 0:
+        report(args, figures, learners)
+    return figures
 
 
-# -- the single-process driver (to be replaced by repl.run(..., actor_fn=actor_fn)) -------------
-
-
-class LocalActor:
-    """What actor_fn sees in one process (rp.ActorContext's verbs): `add` also runs the learner's due steps.
-
-    After each env step the learner takes as many steps as keep samples (batch x steps) at
-    samples-per-insert x (inserts - min_replay), as the launched job's rate limiter does; every
-    eval_every env steps the clock stops and the evaluator runs. One actor only: its policy is
-    the learner's own, so the policy lag is 0.
-    """
-
-    def __init__(self, args: argparse.Namespace, repl: rp.Replicator,
-                 step_fn: Callable[[rp.ReplicaContext, ReplaySample], dict[str, torch.Tensor]],
-                 policy: nn.Module, replay: LocalReplay) -> None:
-        self.args, self.repl, self.step_fn, self.policy, self.replay = args, repl, step_fn, policy, replay
-        self.actor_id, self.num_actors, self.is_evaluator = 0, 1, False
-        self.seed = args.seed * 1_000 + 1  # apart from the evaluator's episodes
-        self.version = self.env_steps = 0
-        self.assembler = NStepAssembler(args.n_step, args.discount)
-        self.curve = LearningCurve(args.target_return)
-        self.critic_loss = math.nan
-        self.train_seconds = 0.0
-        self.started = time.perf_counter()
-
-    @property
-    def running(self) -> bool:
-        if self.args.stop_at_target and self.curve.reached():
-            return False
-        return self.version < self.args.steps
-
-    def add(self, *, observation: Any, action: Any, reward: float, next_observation: Any, terminated: bool,
-            truncated: bool) -> None:
-        for transition in self.assembler.add(np.asarray(observation), np.asarray(action), reward,
-                                             np.asarray(next_observation), terminated, truncated):
-            self.replay.insert(transition)
-        self.env_steps += 1
-        due = self.args.samples_per_insert * (self.replay.inserts - self.args.min_replay)
-        while self.running and self.replay.samples + self.args.batch_size <= due:
-            self.critic_loss = float(self.step_fn(self.repl.context, self.replay.sample())["critic_loss"])
-            self.version += 1
-        if self.env_steps % self.args.eval_every == 0 or not self.running:
-            self.evaluate()
-
-    def update_weights(self) -> None:
-        pass  # one process: the actor acts with the learner's modules themselves
-
-    def counters(self) -> dict[str, float]:
-        learning = max(self.replay.inserts - self.args.min_replay, 1)
-        return {"env_steps": self.env_steps, "learner_steps": self.version,
-                "samples_per_insert": self.replay.samples / learning}
-
-    def evaluate(self) -> None:
-        self.train_seconds += time.perf_counter() - self.started
-        returns = evaluate(self.policy, self.args.env, self.args.eval_episodes, seed=10_000 + self.args.seed * 100)
-        self.curve.add(CurvePoint(self.env_steps, self.version, self.train_seconds, float(np.mean(returns)),
-                                  float(np.std(returns)), self.critic_loss,
-                                  self.counters()["samples_per_insert"]))
-        self.started = time.perf_counter()
-
-
-def train_single_process(args: argparse.Namespace, repl: rp.Replicator,
-                         step_fn: Callable[[rp.ReplicaContext, ReplaySample], dict[str, torch.Tensor]],
-                         actor_fn: Callable[[Any], None], policy: nn.Module, replay: LocalReplay) -> LearningCurve:
-    actor = LocalActor(args, repl, step_fn, policy, replay)
-    actor_fn(actor)
-    return actor.curve
+def report(args: argparse.Namespace, figures: dict[str, Any], learners: int) -> None:
+    """Learner 0: the job's counters, against the issue's targets, printed and added to curve.json."""
+    # An actor pulls every update_period of its env steps, while all actors make update_period x actors,
+    # which the limiter turns into this many learner steps: the lag a policy reaches just before a pull.
+    interval = args.update_period * args.actors * (args.samples_per_insert or 0) / args.batch_size
+    lag = figures["policy_lag"]
+    realised = figures["samples_per_insert"]
+    print(f"learners: {figures['learner_steps']} steps ({figures['learner_steps_per_second']:.0f}/s), "
+          f"{figures['env_steps']} env steps ({figures['env_steps_per_second']:.0f}/s); samples per insert "
+          f"{realised if realised is None else round(realised, 1)} (target {args.samples_per_insert:g}); policy "
+          f"lag median {lag['median']}, p95 {lag['p95']} learner steps (an actor's pull interval: {interval:g})",
+          flush=True)
+    if args.out and os.path.exists(os.path.join(args.out, "curve.json")):  # the evaluator wrote it before leaving
+        path = os.path.join(args.out, "curve.json")
+        with open(path) as handle:
+            curve = json.load(handle)
+        curve["actor_learner"] = figures | {"pull_interval_learner_steps": interval}
+        with open(path, "w") as handle:
+            json.dump(curve, handle, indent=1)
 
 
 if __name__ == "__main__":

@@ -119,6 +119,16 @@ class ActorContext:
         except RuntimeError:
             pass  # only the counters miss it
 
+    def end_run(self, reason: str = "") -> None:
+        """Ask the learners to end this run early, as if its `steps` were reached (e.g. the evaluator saw the
+        target return): they stop within a few steps, all at the same one, and `running` turns False everywhere.
+        `reason` goes into the learners' `repl.last_run["actor_learner"]["ended"]` and their log line."""
+        text = f"{self.who} asked to end the run" + (f": {reason}" if reason else "")
+        try:
+            exchange.store().compare_set(exchange.Keys.end_request(self.run), "", text)  # the first request wins
+        except RuntimeError as error:
+            raise ActorLearnerError(f"{self.who}: the job's store is gone ({error}): the learners ended") from error
+
     def counters(self) -> dict[str, Any]:
         """The job's figures as the learners last published them (twice a second): env steps (all actors, as of
         their last pulls), learner steps, realised samples per insert and the policy lag at insert."""

@@ -56,6 +56,11 @@ class ActorLearnerRegime(Regime):
         self.variables: VariableSource | None = None
         self.service: LearnerService | None = None
         self.stopped: str | None = None  # why this learner's replay stopped giving batches
+        self.drawn = 0  # batches this learner's sampler gave in this run
+        self.end_at: int | None = None  # the batch count where the run ends early (ActorContext.end_run)
+        self.ended: str | None = None  # who asked for that, and why
+        self._said_end = False
+        self.steps: int | None = None
         self.sample_wait_s = 0.0
         # Ticket numbers run on for the job's life, so a learner reads its queue with one Tickets throughout.
         self._tickets = wire.Tickets(roles.index) if not self.serves else None
@@ -95,7 +100,7 @@ class ActorLearnerRegime(Regime):
         if steps is None:
             raise ReplicatorUsageError("mode='actor_learner' needs run(steps=N): the learners' steps end the run "
                                        "(a replay has no epochs)")
-        self.actor_fn, self.update_period = actor_fn, update_period
+        self.actor_fn, self.update_period, self.steps = actor_fn, update_period, steps
 
     # -- actors and the evaluator ------------------------------------------------------------------
     def serve(self) -> dict[str, Any]:
@@ -136,6 +141,7 @@ class ActorLearnerRegime(Regime):
                 exchange.store().set(exchange.Keys.layout, "\n".join(self.variables.layout.described))
         self.variables.publish(self.optimizers.state.step)
         self.stopped, self.sample_wait_s = None, 0.0
+        self.drawn, self.end_at, self.ended, self._said_end = 0, None, None, False
         assert self._tickets is not None
         self.service = LearnerService(self.roles, self.everyone, self._tickets, replay.shard, self.variables,
                                       self.job.timeout_s)
@@ -149,6 +155,8 @@ class ActorLearnerRegime(Regime):
         shard = replay.shard
         while True:
             variables.publish(self.optimizers.state.step)
+            if self._ending():
+                return
             with shard.lock:
                 waited = time.monotonic()
                 while not shard.limiter.can_sample(shard.batch_size) or service.abort or service.error:
@@ -156,10 +164,36 @@ class ActorLearnerRegime(Regime):
                     if reason is not None:
                         self._stop(reason)
                         return
+                    if self._ending():
+                        return
                     shard.lock.wait(0.05)
                 self.sample_wait_s += time.monotonic() - waited
                 batch = shard.sample()
+            self.drawn += 1
             yield batch
+
+    def _ending(self) -> bool:
+        """True once this learner has drawn the batches the run was cut to after an actor's end_run().
+
+        The first learner to see the request fixes the cut a few batches past its own count in the
+        store; the learners stay within one batch of each other (the step loop agrees one step
+        ahead) and each looks before every draw, so all of them see the cut before reaching it and
+        end at the same step, as when `steps` is reached.
+        """
+        if self.end_at is None:
+            store = exchange.store()
+            request = exchange.Keys.end_request(self.runs)
+            if not store.check([request]):
+                return False
+            cut = store.compare_set(exchange.Keys.end_at(self.runs), "", str(self.drawn + 3))
+            self.end_at, self.ended = int(cut.decode("ascii")), store.get(request).decode("utf-8", "replace")
+        if self.drawn < self.end_at:
+            return False
+        if self.roles.index == 0 and not self._said_end:
+            self._said_end = True  # once: the step loop asks a stream that ended once more
+            print(f"replicator: the learners end the run after {self.end_at} of its steps={self.steps}: "
+                  f"{self.ended}", flush=True)
+        return True
 
     def _stop(self, reason: str) -> None:
         """No more batches: every process will raise the reason (the job's first failure wins)."""
@@ -212,7 +246,7 @@ class ActorLearnerRegime(Regime):
                 "inserts": inserts, "samples": samples, "samples_per_insert": samples / past_min if past_min else None,
                 "target_samples_per_insert": replay.samples_per_insert,
                 "policy_lag": exchange.lag_summary(sums[3:]), "sample_wait_seconds": self.sample_wait_s,
-                "seconds": seconds, "departed": departed}
+                "seconds": seconds, "departed": departed, "ended": self.ended}
 
     def save(self, path: str | os.PathLike[str], objects: dict[str, Any], step: int, input_state: dict[str, Any],
              extra: dict[str, Any] | None, keep: int | None) -> Path:

@@ -58,6 +58,17 @@ class Keys:
         return f"{cls.prefix}run{run}/done"
 
     @classmethod
+    def end_request(cls, run: int) -> str:
+        """Who asked the learners to end run `run` early, and why (ActorContext.end_run)."""
+        return f"{cls.prefix}run{run}/end-request"
+
+    @classmethod
+    def end_at(cls, run: int) -> str:
+        """The number of batches after which every learner's sampler ends, fixed by the first learner to see the
+        request."""
+        return f"{cls.prefix}run{run}/end-at"
+
+    @classmethod
     def env_steps(cls, actor: int) -> str:
         return f"{cls.prefix}env{actor}"
 

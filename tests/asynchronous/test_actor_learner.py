@@ -286,6 +286,43 @@ def test_actors_see_weights_no_older_than_the_update_period_allows() -> None:
     assert evaluator[-1][0] > 0 and [v for _, v, _ in evaluator] == sorted(v for _, v, _ in evaluator)
 
 
+# -- the evaluator ends the run early (a target return reached): every learner stops at the same step -----------
+def ended_early_job() -> tuple[str, int, list[torch.Tensor], dict[str, Any]]:
+    repl = rp.Replicator(mode="actor_learner", actors=1, evaluator=True)
+    replay = rp.Replay(capacity=200, batch_size=4, samples_per_insert=None, min_size=8, seed=2)
+    with repl.scope():
+        model = make_model()
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+
+    def actor_fn(actor: rp.ActorContext) -> None:
+        if not actor.is_evaluator:
+            return toy_actor(actor)
+        while actor.running and actor.counters()["learner_steps"] < 10:
+            time.sleep(0.02)
+        actor.end_run("enough")
+        while actor.running:  # the learners take a few more steps, then release everyone
+            time.sleep(0.02)
+
+    def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> torch.Tensor:
+        return regression_step(model, optimizer, batch)
+
+    for _ in repl.run(step_fn, repl.prepare_input(replay), steps=100_000, actor_fn=actor_fn):
+        pass
+    return repl.role, repl.global_step, [p.detach().clone() for p in model.parameters()], repl.last_run
+
+
+def test_the_evaluator_ends_the_run_and_every_learner_stops_at_the_same_step() -> None:
+    results = run_replicas(ended_early_job, 4, timeout_s=120, env=SHORT)
+    assert [r[0] for r in results] == ["learner", "learner", "actor", "evaluator"]
+    (_, steps0, params0, run0), (_, steps1, params1, run1) = results[0], results[1]
+    assert 10 <= steps0 == steps1 < 1_000, (steps0, steps1)
+    for a, b in zip(params0, params1, strict=True):
+        assert torch.equal(a, b)
+    for figures in (run0["actor_learner"], run1["actor_learner"]):
+        assert figures["ended"] == "the evaluator (rank 3) asked to end the run: enough"
+        assert figures["learner_steps"] == steps0
+
+
 # -- faults --------------------------------------------------------------------------------------------------------
 def killed_actor_job() -> tuple[str, dict[str, Any]]:
     repl = rp.Replicator(mode="actor_learner", actors=2)
