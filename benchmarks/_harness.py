@@ -200,7 +200,9 @@ def write_json(path: str | None, report: Mapping[str, Any], header: Mapping[str,
     """Write `report` with the machine header and the command that produced it; nothing when `path` is empty."""
     if not path:
         return
-    document = {"machine": dict(header), "command": " ".join([sys.executable, *sys.argv]), **report}
+    # The interpreter as the README names it, not this machine's absolute path to it.
+    python = os.path.join(".venv", "bin", "python") if ".venv" in sys.executable else "python"
+    document = {"machine": dict(header), "command": " ".join([python, *sys.argv]), **report}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as handle:
         json.dump(document, handle, indent=2, default=str)
