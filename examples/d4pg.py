@@ -4,7 +4,7 @@
     replicator launch -n 4 examples/d4pg.py         # the same job, started by the launcher (or torchrun)
     python examples/d4pg.py --learners 2 --seed 3 --out runs/d4pg-3   # 2 learners, a synchronous replica group
     python examples/d4pg.py --prioritized           # replay sampled by |TD error|
-    python examples/d4pg.py --env dmc:cartpole-swingup --v-min -150 --v-max 150   # with dm-control installed
+    python examples/d4pg.py --env dmc:cartpole-swingup --v-min -150 --v-max 150   # pip install -e '.[dmc]' first
 
 D4PG is DDPG with four changes: the critic predicts a *distribution* of returns (51 atoms
 on a fixed support, trained with a cross-entropy against the projected Bellman target),
@@ -132,8 +132,9 @@ class ControlSuiteEnv(gymnasium.Env):
             from dm_control import suite
         except ImportError as error:
             raise ImportError(
-                f"--env {name} needs DeepMind's Control Suite, which is not installed: pip install dm-control "
-                f"(it brings the mujoco version it requires). gymnasium's tasks, such as --env Pendulum-v1, "
+                f"--env {name} needs DeepMind's Control Suite, which is not installed: pip install -e '.[dmc]' "
+                f"(dm-control with a mujoco below 4, whose bindings it reads). gymnasium's tasks, such as --env "
+                f"Pendulum-v1, "
                 f"need nothing more."
             ) from error
         domain, _, task = name.removeprefix("dmc:").partition("-")
