@@ -192,7 +192,7 @@ def make_step(repl: rp.Replicator, generator: Generator, discriminator: Discrimi
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--global-batch", type=int, default=64, help="samples per discriminator update, all replicas")
-    parser.add_argument("--steps", type=int, default=600, help="generator updates")
+    parser.add_argument("--steps", type=int, default=1200, help="generator updates")
     parser.add_argument("--n-dis", type=int, default=2, help="discriminator updates per generator update")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per update (gradient accumulation)")
     parser.add_argument("--image-size", type=int, default=8, help="8 (the digits as they are), 16 or 32 (bilinear)")
