@@ -138,7 +138,7 @@ class ActorLearnerRegime(Regime):
         if self.variables is None:
             self.variables = VariableSource(self.models.modules)
             if self.roles.index == 0:
-                exchange.store().set(exchange.Keys.layout, "\n".join(self.variables.layout.described))
+                wire.job_store().set(exchange.Keys.layout, "\n".join(self.variables.layout.described))
         self.variables.publish(self.optimizers.state.step)
         self.stopped, self.sample_wait_s = None, 0.0
         self.drawn, self.end_at, self.ended, self._said_end = 0, None, None, False
@@ -181,7 +181,7 @@ class ActorLearnerRegime(Regime):
         end at the same step, as when `steps` is reached.
         """
         if self.end_at is None:
-            store = exchange.store()
+            store = wire.job_store()
             request = exchange.Keys.end_request(self.runs)
             if not store.check([request]):
                 return False
@@ -205,7 +205,7 @@ class ActorLearnerRegime(Regime):
         service = self.service
         assert service is not None
         try:
-            exchange.store().set(exchange.Keys.done(self.runs), "1")
+            wire.job_store().set(exchange.Keys.done(self.runs), "1")
         except RuntimeError:
             pass  # the store left with its host; the actors see the learners leave
         service.finish()

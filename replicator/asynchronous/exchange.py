@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from replicator.asynchronous import wire
 
-__all__ = ["PULL", "INSERT", "WAIT", "BYE", "OK", "ABORTED", "LAYOUT", "REQUEST", "reply_size", "store",
+__all__ = ["PULL", "INSERT", "WAIT", "BYE", "OK", "ABORTED", "LAYOUT", "REQUEST", "reply_size",
            "Keys", "lag_summary", "LAG_BINS", "post_abort", "read_abort"]
 
 # Requests (the header's first number). PULL and BYE reuse the parameter servers' codes.
@@ -40,8 +39,6 @@ def reply_size(others: int) -> int:
     return REPLY_FIXED + others
 
 
-def store() -> dist.Store:
-    return dist.distributed_c10d._get_default_store()
 
 
 class Keys:
@@ -80,7 +77,7 @@ class Keys:
 def post_abort(message: str) -> None:
     """Record the job's first failure for every process to raise; later ones keep theirs."""
     try:
-        handle = store()
+        handle = wire.job_store()
         if handle.add(Keys.abort_count, 1) == 1:
             handle.set(Keys.abort, message)
     except RuntimeError:
@@ -89,7 +86,7 @@ def post_abort(message: str) -> None:
 
 def read_abort() -> str | None:
     try:
-        handle = store()
+        handle = wire.job_store()
         return handle.get(Keys.abort).decode("utf-8", "replace") if handle.check([Keys.abort]) else None
     except RuntimeError:
         return None

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
-
+from replicator.asynchronous import wire
 from replicator.comm import objects
 from replicator.telemetry import breakdown_table
 
@@ -26,11 +25,11 @@ class Reports:
         self.prefix = f"{_KEY}{run}/rank"
 
     def put(self, rank: int, figures: dict[str, Any]) -> None:
-        dist.distributed_c10d._get_default_store().set(f"{self.prefix}{rank}", objects.encode(figures).decode("ascii"))
+        wire.job_store().set(f"{self.prefix}{rank}", objects.encode(figures).decode("ascii"))
 
     def gather(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
         """The figures of every rank that left them (a group that died or hung left none)."""
-        store = dist.distributed_c10d._get_default_store()
+        store = wire.job_store()
         found = {}
         for rank in ranks:
             key = f"{self.prefix}{rank}"

@@ -59,8 +59,6 @@ class ParameterServer:
         self.shards = shards
         self.bound = max_staleness
         self.timeout_s = timeout_s
-        # Well inside the timeout: groups waiting on this server must hear before their receive gives up.
-        self.death_grace_s = min(timeout_s / 3, 10.0)
         self.books = [_Book(shards.shard(k, self.index), optimizer) for k, optimizer in enumerate(shards.optimizers)]
         self.tickets = wire.Tickets(self.index)
         self.record = StalenessRecord(max_staleness)
@@ -85,7 +83,7 @@ class ParameterServer:
             book.pulled = dict.fromkeys(self.active, book.version)
         self.last_heard = dict.fromkeys(groups, started)
         self.last_step = dict.fromkeys(groups, 0)
-        self.beats = {g: (wire.Heartbeat(g).read(), started) for g in groups}
+        self.heartbeats = wire.HeartbeatWatch(groups, self.timeout_s)
         idle_since, checked = started, started
         while self.active:
             group = self.tickets.take()
@@ -244,12 +242,9 @@ class ParameterServer:
     # -- groups that leave -------------------------------------------------------------------
     def _check_liveness(self, now: float) -> None:
         for group in sorted(self.active):
-            beat, since = self.beats[group]
-            current = wire.Heartbeat(group).read()
-            if current != beat:
-                self.beats[group] = (current, now)
-            elif now - since > self.death_grace_s:
-                self._depart(group, DIED, f"its heartbeat stopped {now - since:.0f} s ago")
+            stopped = self.heartbeats.stopped_for(group, now)
+            if stopped is not None:
+                self._depart(group, DIED, f"its heartbeat stopped {stopped:.0f} s ago")
                 continue
             waited_on = group in self.saving or any(group in book.pending for book in self.books)
             if not waited_on and now - self.last_heard[group] > self.timeout_s:

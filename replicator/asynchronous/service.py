@@ -34,8 +34,6 @@ class LearnerService:
                  variables: VariableSource, timeout_s: float) -> None:
         self.roles, self.everyone, self.tickets = roles, everyone, tickets
         self.shard, self.variables, self.timeout_s = shard, variables, timeout_s
-        # Well inside the timeout: an actor's request must be answered before its receive gives up.
-        self.death_grace_s = min(timeout_s / 3, 10.0)
         self.hold_s = min(1.0, timeout_s / 4)  # the longest an answer to a waiting actor is held back
         others = roles.others
         # Who is alive, finished or gone: the thread changes it, the main thread reads it (stop_reason, finish).
@@ -56,7 +54,7 @@ class LearnerService:
     # -- the main thread's side ------------------------------------------------------------------------
     def start(self) -> None:
         self.started = self.last_insert = time.monotonic()
-        self.beats = {a: (wire.Heartbeat(a).read(), self.started) for a in range(self.roles.others)}
+        self.heartbeats = wire.HeartbeatWatch(range(self.roles.others), self.timeout_s)
         self._thread = threading.Thread(target=self._run, name="replicator-learner-service", daemon=True)
         self._thread.start()
 
@@ -152,7 +150,7 @@ class LearnerService:
                 self.alive.add(actor)
             if kind == exchange.BYE:
                 self.finished.add(actor)
-        self.beats[actor] = (self.beats[actor][0], now)
+        self.heartbeats.heard(actor, now)
         self.env_steps[actor] = max(self.env_steps[actor], env_steps)
         if kind == exchange.BYE:
             return
@@ -172,7 +170,7 @@ class LearnerService:
     def _spec(self) -> TransitionSpec:
         if self.shard.spec is not None:
             return self.shard.spec
-        return TransitionSpec.decode(exchange.store().get(exchange.Keys.spec).decode("ascii"))
+        return TransitionSpec.decode(wire.job_store().get(exchange.Keys.spec).decode("ascii"))
 
     def _insert(self, actor: int, version: int, payload: torch.Tensor, count: int) -> None:
         spec = self._spec()
@@ -228,12 +226,9 @@ class LearnerService:
         if self.abort is None:
             self.abort = exchange.read_abort()
         for actor in sorted(self.alive - self.finished):
-            beat, since = self.beats[actor]
-            current = wire.Heartbeat(actor).read()
-            if current != beat:
-                self.beats[actor] = (current, now)
-            elif now - since > self.death_grace_s:
-                self._depart(actor, "died", f"its heartbeat stopped {now - since:.0f} s ago")
+            stopped = self.heartbeats.stopped_for(actor, now)
+            if stopped is not None:
+                self._depart(actor, "died", f"its heartbeat stopped {stopped:.0f} s ago")
         self._publish_figures(now)
 
     def _publish_figures(self, now: float) -> None:
@@ -242,7 +237,7 @@ class LearnerService:
         lags = ",".join(f"{lag}:{count}" for lag, count in enumerate(self.histogram.tolist()) if count)
         text = (f"{max(self.variables.version, 0)} {limiter.inserts} {limiter.samples} "
                 f"{max(limiter.inserts - limiter.min_size, 0)} {now - self.started:.3f}|{lags}")
-        exchange.store().set(exchange.Keys.learner(self.roles.index), text)
+        wire.job_store().set(exchange.Keys.learner(self.roles.index), text)
 
     def _depart(self, actor: int, how: str, why: str) -> None:
         if actor in self.departed:

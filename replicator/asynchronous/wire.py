@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 
 import torch.distributed as dist
 
@@ -35,7 +36,8 @@ TAG_VERDICT = 73  # a group's leader to its members
 _PREFIX = "replicator/async/"
 
 
-def _store() -> dist.Store:
+def job_store() -> dist.Store:
+    """The job's key-value store (the launcher's rendezvous store), which every process reaches."""
     return dist.distributed_c10d._get_default_store()
 
 
@@ -48,13 +50,13 @@ class Tickets:
 
     def post(self, group: int) -> None:
         """Queue a request from `group` (a worker leader, before sending its tensors)."""
-        store = _store()
+        store = job_store()
         number = store.add(self.key + "count", 1)
         store.set(f"{self.key}{number}", str(group))
 
     def take(self) -> int | None:
         """The group of the next request, or None when none is queued yet (the server's side)."""
-        store = _store()
+        store = job_store()
         key = f"{self.key}{self.next}"
         if not store.check([key]):
             return None
@@ -85,7 +87,7 @@ class Heartbeat:
             self._thread.start()
 
     def _beat(self) -> None:
-        store = _store()
+        store = job_store()
         while not self._stop.wait(self.PERIOD_S):
             try:
                 store.add(self.key, 1)
@@ -99,7 +101,7 @@ class Heartbeat:
             self._thread = None
 
     def read(self) -> int:
-        return int(_store().add(self.key, 0))
+        return int(job_store().add(self.key, 0))
 
 
 class SavedStates:
@@ -109,26 +111,26 @@ class SavedStates:
 
     @classmethod
     def put(cls, rank: int, state: bytes) -> None:
-        _store().set(f"{cls.KEY}rank{rank}", state.decode("ascii"))  # tagged JSON is ASCII
+        job_store().set(f"{cls.KEY}rank{rank}", state.decode("ascii"))  # tagged JSON is ASCII
 
     @classmethod
     def take(cls, ranks: list[int]) -> dict[int, bytes]:
-        store = _store()
+        store = job_store()
         return {rank: store.get(f"{cls.KEY}rank{rank}") for rank in ranks}
 
     @classmethod
     def drop(cls, ranks: list[int]) -> None:
-        store = _store()
+        store = job_store()
         for rank in ranks:
             store.delete_key(f"{cls.KEY}rank{rank}")
 
     @classmethod
     def fail(cls, message: str) -> None:
-        _store().set(f"{cls.KEY}error", message)
+        job_store().set(f"{cls.KEY}error", message)
 
     @classmethod
     def error(cls) -> str:
-        return _store().get(f"{cls.KEY}error").decode("utf-8", errors="replace")
+        return job_store().get(f"{cls.KEY}error").decode("utf-8", errors="replace")
 
 
 class Dropped:
@@ -138,17 +140,42 @@ class Dropped:
     @staticmethod
     def note(group: int, why: str) -> None:
         try:
-            _store().set(f"{_PREFIX}dropped{group}", why)
+            job_store().set(f"{_PREFIX}dropped{group}", why)
         except RuntimeError:  # the store went away: the job is ending
             pass
 
     @staticmethod
     def read(group: int) -> str | None:
         try:
-            store, key = _store(), f"{_PREFIX}dropped{group}"
+            store, key = job_store(), f"{_PREFIX}dropped{group}"
             return store.get(key).decode("utf-8", errors="replace") if store.check([key]) else None
         except RuntimeError:
             return None
+
+
+class HeartbeatWatch:
+    """Tells which of some peers' heartbeats stopped: a counter that has not moved for a grace period.
+
+    The grace stays well inside the timeout: a peer waiting on the watcher must hear that another
+    died before its own receive gives up."""
+
+    def __init__(self, peers: Iterable[int], timeout_s: float) -> None:
+        self.grace_s = min(timeout_s / 3, 10.0)
+        now = time.monotonic()
+        self._seen = {peer: (Heartbeat(peer).read(), now) for peer in peers}
+
+    def heard(self, peer: int, now: float) -> None:
+        """A request from `peer` is a sign of life too."""
+        self._seen[peer] = (self._seen[peer][0], now)
+
+    def stopped_for(self, peer: int, now: float) -> float | None:
+        """Seconds since `peer`'s counter last moved, once that exceeds the grace; else None."""
+        beat, since = self._seen[peer]
+        current = Heartbeat(peer).read()
+        if current != beat:
+            self._seen[peer] = (current, now)
+            return None
+        return now - since if now - since > self.grace_s else None
 
 
 def idle_sleep(idle_since: float) -> None:
