@@ -12,7 +12,7 @@ PACKAGE = Path(replicator.__file__).resolve().parent
 OUTER_ROOMS = ("replicator.cli", "replicator.testing", "replicator.demo", "replicator.launch")
 NEVER_IMPORTED_BY_THE_CORE = (*OUTER_ROOMS, "examples", "benchmarks")
 MAX_MODULE_LINES = 500
-MAX_FACADE_LINES = 350
+MAX_FACADE_LINES = 370
 
 
 def module_name(path: Path) -> str:
