@@ -284,6 +284,27 @@ class ProcessGroups:
         return self.mesh.stage_ranks
 
 
+_rendezvous: tuple[dist.Store, int, int] | None = None  # this process's store, made once (see _job_store)
+_jobs_started = 0
+
+
+def _job_store(timeout: timedelta) -> tuple[dist.Store, int, int]:
+    """The store for this process's next job, with the rank and world size that the environment gives.
+
+    The rendezvous store (rank 0 serves it on MASTER_PORT) is made once per process and kept:
+    a job closed with `repl.close()` and a new `rp.Replicator()` in the same processes would
+    otherwise race a peer to the port, and a peer that reached the old store before it closed
+    found last job's keys there, went on, and left rank 0 waiting. Each job gets its own key
+    prefix, the same on every process because every process starts its jobs in the same order.
+    """
+    global _rendezvous, _jobs_started
+    if _rendezvous is None:
+        _rendezvous = next(dist.rendezvous("env://", timeout=timeout))
+    store, rank, world_size = _rendezvous
+    _jobs_started += 1
+    return dist.PrefixStore(f"replicator-job-{_jobs_started}", store), rank, world_size
+
+
 def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S, *,
                          servers: int = 0, group_size: int = 1) -> ProcessGroups:
     """Initialise torch.distributed (if the job has peers) and build every group once.
@@ -304,7 +325,8 @@ def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float =
             os.environ.setdefault("WORLD_SIZE", str(topology.world_size))
         if topology.device.type == "cuda":
             torch.cuda.set_device(topology.device)
-        dist.init_process_group(topology.backend, timeout=timeout)
+        store, rank, world_size = _job_store(timeout)
+        dist.init_process_group(topology.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     world = dist.group.WORLD
 
     def new_group(ranks: list[int], backend: str | None = None) -> dist.ProcessGroup:
