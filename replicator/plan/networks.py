@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["resnet", "vgg16", "inception_v3", "bert"]
+__all__ = ["resnet", "vgg16", "inception_v3", "bert", "gpt"]
 
 
 def _conv(cin: int, cout: int, kernel: int | tuple[int, int], stride: int = 1,
@@ -177,3 +177,23 @@ def bert(layers: int = 24, width: int = 1024, heads: int = 16) -> nn.Module:
     Pre-training heads are left out: their output layer shares the word embedding.
     """
     return _Bert(layers, width, heads, 30522, 512)
+
+
+class _Gpt(nn.Module):
+    def __init__(self, layers: int, width: int, heads: int, vocabulary: int, positions: int) -> None:
+        super().__init__()
+        self.words = nn.Embedding(vocabulary, width)
+        self.positions = nn.Embedding(positions, width)
+        self.layers = nn.Sequential(*(_EncoderLayer(width, heads) for _ in range(layers)))
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.norm(self.layers(self.words(tokens) + self.positions(positions)))
+        return x @ self.words.weight.t()  # the output layer is the word embedding, transposed
+
+
+def gpt(layers: int, width: int, heads: int, vocabulary: int = 51200, positions: int = 1024) -> nn.Module:
+    """A GPT-2-style decoder with a tied output layer (Radford et al. 2019; Megatron-LM pads the vocabulary to
+    51,200). The causal mask changes no shape or FLOP count the planner reads, so it is left out."""
+    return _Gpt(layers, width, heads, vocabulary, positions)
