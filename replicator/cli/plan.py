@@ -331,7 +331,7 @@ def _records(result: Plan) -> list[dict[str, object]]:
             continue
         seen.add(id(prediction))
         records.append({**prediction.to_dict(), "recommended": id(prediction) in recommended})
-    return sorted(records, key=lambda r: (r["gpus"], r["algorithm"], r["stages"]))  # type: ignore[return-value]
+    return sorted(records, key=lambda r: (str(r["gpus"]).zfill(8), str(r["algorithm"]), str(r["stages"]).zfill(4)))
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

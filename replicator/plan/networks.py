@@ -36,7 +36,7 @@ class _Bottleneck(nn.Module):
 
 
 def resnet(blocks: tuple[int, int, int, int]) -> nn.Module:
-    """A bottleneck ResNet (He et al. 2016) for 224×224 ImageNet: (3, 4, 6, 3) is ResNet-50, (3, 4, 23, 3) ResNet-101."""
+    """A bottleneck ResNet (He et al. 2016) for 224×224 images: (3, 4, 6, 3) is ResNet-50, (3, 4, 23, 3) ResNet-101."""
     layers: list[nn.Module] = [_conv(3, 64, 7, 2, 3), nn.MaxPool2d(3, 2, 1)]
     cin = 64
     for stage, count in enumerate(blocks):

@@ -67,7 +67,7 @@ class ModelPreset:
         return _profile(self.name, self.input_shape, self.input_dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _profile(name: str, shape: tuple[int, ...], dtype: str) -> GradientProfile:
     import torch
 

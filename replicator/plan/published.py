@@ -42,6 +42,7 @@ __all__ = [
     "inputs_table",
     "reproduction_table",
     "leave_one_out_table",
+    "sources_table",
 ]
 
 FLAT_RING = ReduceAlgorithm("flat-ring", "ring", reducer="flat")
@@ -143,10 +144,11 @@ P100_RESNET101 = Hardware(
     (5.84e12 + (101 - 50) / (152 - 50) * (95.6 * 3 * 2 * 11.51e9 - 5.84e12)) / (3 * 2 * 7.80e9),
     f"{_TF_P100}: derived, ResNet-101 is not in the table; ResNet-50 (238/s) and ResNet-152 (95.6/s) achieve "
     "5.84 and 6.60 TFLOP/s, interpolated by depth to 6.22 TFLOP/s")
-_DLE_BERT = "NVIDIA DeepLearningExamples PyTorch/LanguageModeling/BERT/README.md (NGC 19.07), 1 GPU of a DGX-2 (V100 32G)"
+_DLE_BERT = ("NVIDIA DeepLearningExamples PyTorch/LanguageModeling/BERT/README.md (NGC 19.07), "
+             "1 GPU of a DGX-2 (V100 32G)")
 _DLE_RN50 = "NVIDIA DeepLearningExamples TensorFlow/Classification/ConvNets/resnet50v1.5/README.md (NGC 20.06), 1 GPU"
-_HOROVOD = ("Horovod docs/benchmarks (github.com/horovod/horovod): 128 servers × 4 Pascal GPUs, RoCE-capable 25 Gbit/s, "
-            "90% for Inception V3 and ResNet-101, 68% for VGG-16")
+_HOROVOD = ("Horovod docs/benchmarks (github.com/horovod/horovod): 128 servers × 4 Pascal GPUs, "
+            "RoCE-capable 25 Gbit/s, 90% for Inception V3 and ResNet-101, 68% for VGG-16")
 _HOROVOD_128 = ("earlier revision of Horovod docs/benchmarks: 32 servers × 4 Pascal GPUs, RoCE 25 Gbit/s, 90% for "
                 "Inception V3 and ResNet-101, 79% for VGG-16")
 _HOROVOD_TCP = ("Sergeev & Del Balso, arXiv 1802.05799, §8 (read through transcriptions): 128 GPUs over TCP, "
@@ -245,7 +247,7 @@ def covered(cases: Sequence[PublishedCase] = PUBLISHED_CASES) -> list[PublishedC
 
 
 def fit_interference(cases: Sequence[PublishedCase], base: Assumptions = ASSUMPTIONS) -> float:
-    """The interference in [0, 1] with the least squared error over `cases`: a grid, then a finer one around the best."""
+    """The interference in [0, 1] with the least squared error over `cases`: a grid, then a finer one near the best."""
     def loss(value: float) -> float:
         stated = replace(base, interference=value)
         return sum((case.predict(stated) - case.published_efficiency) ** 2 for case in cases)
@@ -324,4 +326,12 @@ def leave_one_out_table() -> str:
         lines.append(f"| {case.key} | {value:.3f} | {efficiency:.1%} | {case.published_efficiency:.1%} | "
                      f"{(efficiency - case.published_efficiency) * 100:+.1f} pt |")
     lines.append(f"\nLargest leave-one-out error {max(errors):.1f} pt, median {statistics.median(errors):.1f} pt.")
+    return "\n".join(lines)
+
+
+def sources_table() -> str:
+    """Where each row's published efficiency and one-device throughput come from (docs/scaling.md quotes it)."""
+    lines = ["| case | published result | one-device throughput |", "| --- | --- | --- |"]
+    for case in PUBLISHED_CASES:
+        lines.append(f"| {case.key} | {case.source} | {case.throughput.source} |")
     return "\n".join(lines)
