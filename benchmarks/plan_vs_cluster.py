@@ -19,6 +19,10 @@ job:
   - the step time with each reducer (benchmarks/allreduce.py's measure_steps, interleaved, medians).
 Then the planner (replicator.plan.predict) describes the cluster with Cluster.two_level and
 predicts each step; the relative error is (predicted - measured) / measured, target |error| <= 15%.
+The ordering case: the reducers ranked by predicted step must be ranked the same by measured step
+(`--fp16`, on by default, adds the compressed flat reducer so that three configurations are ranked;
+reducers whose measured medians lie within 3% of each other count as tied and may come in either
+order).
 For reference it also prints three variants: no overlap of communication with backward
 (Accelerator.overlap = 0: what other load on the cores pushes the cluster towards, since Gloo's
 copies and the kernel's network stack then take cycles from the backward pass), the inter-node
@@ -55,6 +59,23 @@ PLANNED = {"flat": ReduceAlgorithm("flat-ring", "ring"),
            "hierarchical": ReduceAlgorithm("hierarchical", "hierarchical"),
            "fp16": ReduceAlgorithm("flat-ring+fp16", "ring", gradient_bytes=2)}
 TARGET = 0.15
+# Measured medians closer than this are a tie: the ordering check does not ask the model to split them.
+TIE = 0.03
+
+
+def ordering(rows: list[dict[str, Any]]) -> tuple[list[str], list[str], bool]:
+    """(reducers by predicted step, by measured step, whether the model's order matches the measured one).
+
+    Two reducers whose measured steps lie within TIE of each other may come in either order.
+    """
+    predicted = [row["reducer"] for row in sorted(rows, key=lambda row: row["predicted_s"])]
+    measured = [row["reducer"] for row in sorted(rows, key=lambda row: row["measured_s"])]
+    by_name = {row["reducer"]: row["measured_s"] for row in rows}
+    matches = all(
+        by_name[first] <= by_name[second] * (1 + TIE)
+        for i, first in enumerate(predicted) for second in predicted[i + 1:]
+    )
+    return predicted, measured, matches
 
 
 def payload_share(mtu: int) -> float:
@@ -141,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="repeats per calibration size (small messages' latency is noisy on shared cores)")
     parser.add_argument("--step-repeats", type=int, default=5, help="interleaved repetitions per reducer")
     parser.add_argument("--steps", type=int, default=Config.steps, help="timed steps per phase")
-    parser.add_argument("--fp16", action="store_true",
-                        help="also compare fp16 compression (flat ring, 2-byte gradients)")
+    parser.add_argument("--fp16", action=argparse.BooleanOptionalAction, default=True,
+                        help="also compare fp16 compression (flat ring, 2-byte gradients; in the ordering case)")
     add_json_argument(parser, "plan_vs_cluster")
     options = parser.parse_args(argv)
     available, why = cluster_available()
@@ -194,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(abs(r["predicted_error"]) for r in checked)
     lines.append(f"\nTarget |error| <= {TARGET:.0%} for flat and hierarchical: worst {worst:.1%} -> "
                  f"{'met' if worst <= TARGET else 'NOT met'}")
+    by_prediction, by_measurement, same_order = ordering(rows)
+    lines.append(f"Ordering of reducers (fastest first): predicted {' < '.join(by_prediction)}, measured "
+                 f"{' < '.join(by_measurement)} -> {'same' if same_order else 'DIFFERENT'} "
+                 f"(measured within {TIE:.0%} counts as a tie)")
     for name, value in calibration["steps"]["checks"].items():
         lines.append(f"  check: {name} = {value:.3g}")
     load_after = load_average()[0]
@@ -202,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"config": asdict(config), "rows": rows,
               "calibration": {k: v for k, v in calibration.items() if k != "steps"},
               "step_times": calibration["steps"]["times"], "worst_error": worst, "met": worst <= TARGET,
+              "ordering": {"predicted": by_prediction, "measured": by_measurement, "same": same_order},
               "load_average_1min": {"before": load_before, "after": load_after}}
     write_json(options.json, report, header)
     return 0

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import TYPE_CHECKING
 
-from replicator.plan import presets
+from replicator.plan import presets, published
 from replicator.plan.planner import (
     MB,
     REDUCERS,
@@ -18,18 +19,20 @@ from replicator.plan.planner import (
     plan,
     with_compression,
 )
+from replicator.plan.profile import GradientProfile, from_factory
 from replicator.plan.step import Accelerator, Workload
+from replicator.plan.transports import TRANSPORTS
 
 if TYPE_CHECKING:
     from rich.console import Console
 
 __all__ = ["add_parser", "add_arguments", "main"]
 
-_SUFFIXES = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_SUFFIXES = {"k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9, "t": 1e12}
 
 
 def _quantity(text: str) -> float:
-    """A positive number, optionally with a k/M/G/T suffix: 25.6M, 8.2e9, 4.1G."""
+    """A positive number, optionally with a k/M/G (or B, billions)/T suffix: 25.6M, 7B, 8.2e9, 4.1G."""
     cleaned = text.strip()
     scale = _SUFFIXES.get(cleaned[-1:].lower(), 1.0)
     if scale != 1.0:
@@ -37,67 +40,147 @@ def _quantity(text: str) -> float:
     try:
         value = float(cleaned) * scale
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number such as 25.6M or 8.2e9, got {text!r}") from None
-    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number such as 25.6M, 7B or 8.2e9, got {text!r}") from None
+    if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 
+def _positive(text: str) -> float:
+    """A number > 0 (argparse names the flag in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _positive(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected sizes such as 3,224,224, got {text!r}") from None
+    if not dims or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive sizes such as 3,224,224, got {text!r}")
+    return dims
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `plan` subcommand's options. Defaults describe the PowerAI DDL cluster (P100, NVLink, EDR)."""
-    model = parser.add_argument_group("model (a preset, or --params and --flops-per-sample)")
+    model = parser.add_argument_group("model (a preset, --model-from, or --params and --flops-per-sample)")
     model.add_argument("--model", choices=sorted(presets.MODELS), default=None,
-                       help="a named network with its published parameter count and FLOPs (default: resnet50)")
-    model.add_argument("--params", type=_quantity, default=None, help="gradient elements, e.g. 25.6M")
+                       help="a named network with its published size and its layers (default: resnet50)")
+    model.add_argument("--model-from", default=None, metavar="PACKAGE.MODULE:FACTORY",
+                       help="build this torch.nn.Module on the meta device and read its parameters per layer")
+    model.add_argument("--input-shape", type=_shape, default=None, metavar="3,224,224",
+                       help="one sample's input shape for --model-from; given, its FLOPs are counted")
+    model.add_argument("--input-dtype", default="float32", help="dtype of that input: float32, or long for tokens")
+    model.add_argument("--params", type=_quantity, default=None, help="gradient elements, e.g. 25.6M or 7B")
     model.add_argument("--flops-per-sample", type=_quantity, default=None,
                        help="forward FLOPs per sample (a multiply-add is 2), e.g. 8.2G")
-    model.add_argument("--batch-per-gpu", type=int, default=32, help="samples per GPU per step (default: 32)")
+    model.add_argument("--batch-per-gpu", type=_count, default=32, help="samples per GPU per step (default: 32)")
+    measured = model.add_mutually_exclusive_group()
+    measured.add_argument("--samples-per-s", type=_positive, default=None,
+                          help="training throughput measured on one device at --batch-per-gpu; replaces the "
+                               "FLOPs estimate")
+    measured.add_argument("--step-ms", type=_positive, default=None,
+                          help="one training step measured on one device at --batch-per-gpu, in ms")
 
     cluster = parser.add_argument_group("cluster")
-    cluster.add_argument("--gpus-per-node", type=int, default=4, help="GPUs in one node (default: 4)")
-    cluster.add_argument("--intra-bw", type=float, default=presets.NVLINK1_GPU_PAIR.value / 1e9,
-                         help="GB/s one way between GPUs of a node (default: 40, two NVLink 1.0 links)")
+    cluster.add_argument("--gpus-per-node", type=_count, default=4, help="GPUs in one node (default: 4)")
+    cluster.add_argument("--intra-bw", type=_positive, default=presets.NVLINK1_GPU_PAIR.value / 1e9,
+                         help="GB/s one way between GPUs of a node, line rate (default: 40, two NVLink 1.0 links)")
+    cluster.add_argument("--intra-transport", choices=sorted(TRANSPORTS), default="nvlink",
+                         help="what links GPUs in a node; sets the achieved share of --intra-bw (default: nvlink)")
+    cluster.add_argument("--intra-efficiency", type=_fraction, default=None,
+                         help="achieved share of --intra-bw, overriding the transport's default")
     cluster.add_argument("--intra-latency", type=float, default=presets.INTRA_NODE_LATENCY * 1e6,
                          help="µs per message step inside a node (default: 5)")
-    cluster.add_argument("--inter-bw", type=float, default=presets.INFINIBAND_EDR.value / 1e9,
-                         help="GB/s one way of a node's network port, shared by its GPUs (default: 12.5, 100 Gbit/s)")
+    cluster.add_argument("--inter-bw", type=_positive, default=presets.INFINIBAND_EDR.value / 1e9,
+                         help="GB/s one way of a node's network port, line rate, shared by its GPUs "
+                              "(default: 12.5, 100 Gbit/s)")
+    cluster.add_argument("--inter-transport", choices=sorted(TRANSPORTS), default="infiniband",
+                         help="what links nodes; sets the achieved share of --inter-bw (default: infiniband)")
+    cluster.add_argument("--inter-efficiency", type=_fraction, default=None,
+                         help="achieved share of --inter-bw, overriding the transport's default")
     cluster.add_argument("--inter-latency", type=float, default=presets.NETWORK_LATENCY * 1e6,
                          help="µs per message step across the network (default: 10)")
-    cluster.add_argument("--gpu-flops", type=float, default=presets.P100_SXM2_FP32.value / 1e12,
+    cluster.add_argument("--gpu-flops", type=_positive, default=presets.P100_SXM2_FP32.value / 1e12,
                          help="peak TFLOP/s of one GPU (default: 10.6, P100 fp32)")
-    cluster.add_argument("--efficiency", type=float, default=presets.COMPUTE_EFFICIENCY,
-                         help="fraction of peak a real model achieves (default: 0.5)")
+    cluster.add_argument("--efficiency", type=_fraction, default=presets.COMPUTE_EFFICIENCY,
+                         help="fraction of peak a real model achieves, when no throughput is measured (default: 0.5)")
     cluster.add_argument("--overlap", type=float, default=1.0,
                          help="share of the ideal overlap of gradient all-reduce with backward that happens: "
                               "1 when it has resources of its own (GPUs), towards 0 where it competes "
                               "with compute for the same cores (default: 1)")
-    cluster.add_argument("--max-gpus", type=int, default=256, help="largest GPU count to plan for (default: 256)")
+    cluster.add_argument("--max-gpus", type=_count, default=256, help="largest GPU count to plan for (default: 256)")
 
     choices = parser.add_argument_group("what to consider")
-    choices.add_argument("--bucket-mb", type=float, default=None, help="fix the gradient bucket (default: search)")
+    choices.add_argument("--bucket-mb", type=_positive, default=None, help="fix the gradient bucket (default: search)")
     choices.add_argument("--fp16", action="store_true", help="also consider fp16 gradient compression")
-    choices.add_argument("--max-stages", type=int, default=1,
+    choices.add_argument("--max-stages", type=_count, default=1,
                          help="also consider pipelines up to K stages (default: 1)")
     choices.add_argument("--recompute", action="store_true", help="pipelines re-materialize activations (GPipe)")
     choices.add_argument("--activation-mb", type=float, default=0.0,
                          help="MB per sample that crosses a pipeline stage boundary (default: 0)")
     choices.add_argument("--calibrate", action="store_true",
                          help="measure this machine (matmul FLOP/s, loopback Gloo α/β) and plan for nodes like it")
+    choices.add_argument("--json", action="store_true",
+                         help="print every prediction as a JSON list (gpus, reducer, bucket_cap_mb, step_s, "
+                              "efficiency, ...) instead of tables")
     choices.add_argument("--reproduce", action="store_true",
-                         help="print the model's predictions for the published DDL and Horovod results, then exit")
+                         help="print the model's predictions for the published scaling results, then exit")
 
 
-def _workload(options: argparse.Namespace) -> Workload:
-    if (options.params is None) != (options.flops_per_sample is None):
-        raise ValueError("give both --params and --flops-per-sample, or a --model preset")
-    if options.params is not None and options.model is not None:
-        raise ValueError("give either --model or --params/--flops-per-sample, not both")
+def _profile(options: argparse.Namespace) -> tuple[str, GradientProfile | None, float | None, float | None]:
+    """(name, profile, params, forward FLOPs per sample) from --model, --model-from or --params."""
+    sources = [flag for flag, value in (("--model", options.model), ("--model-from", options.model_from),
+                                        ("--params", options.params)) if value is not None]
+    if len(sources) > 1:
+        raise ValueError(f"give one of --model, --model-from and --params, not {' and '.join(sources)}")
+    if options.input_shape is not None and options.model_from is None:
+        raise ValueError("--input-shape describes the input of --model-from; give --model-from too")
+    if options.model_from is not None:
+        profile = from_factory(options.model_from, options.input_shape, options.input_dtype)
+        return options.model_from, profile, float(profile.params), profile.forward_flops
     if options.params is not None:
-        params, flops = options.params, options.flops_per_sample
-    else:
-        preset = presets.MODELS[options.model or "resnet50"]
-        params, flops = preset.params, preset.forward_flops
-    return Workload(params, flops, options.batch_per_gpu, activation_bytes_per_sample=options.activation_mb * MB)
+        return "custom", None, options.params, None
+    preset = presets.MODELS[options.model or "resnet50"]
+    return preset.name, preset.profile(), float(preset.params), preset.forward_flops
+
+
+def _workload(options: argparse.Namespace) -> tuple[str, Workload]:
+    name, profile, params, flops = _profile(options)
+    if options.flops_per_sample is not None:
+        flops = options.flops_per_sample
+    step_s = options.step_ms / 1e3 if options.step_ms is not None else None
+    if options.samples_per_s is not None:
+        step_s = options.batch_per_gpu / options.samples_per_s
+    if flops is None and step_s is None:
+        what = "--model-from without --input-shape" if options.model_from else "--params"
+        raise ValueError(f"{what} says nothing about compute: add --flops-per-sample, --samples-per-s or --step-ms")
+    assert params is not None
+    return name, Workload(params, flops, options.batch_per_gpu, activation_bytes_per_sample=options.activation_mb * MB,
+                          step_s=step_s, profile=profile)
 
 
 def _console() -> Console:
@@ -116,12 +199,12 @@ def _rate(samples_per_second: float) -> str:
     return f"{samples_per_second:,.0f}" if samples_per_second >= 100 else f"{samples_per_second:.3g}"
 
 
-def _shape(prediction: Prediction) -> str:
+def _arguments(prediction: Prediction) -> str:
     """The recommended configuration as `rp.Replicator(...)` arguments, ready to paste."""
     if prediction.gpus == 1:
         return "one GPU, no communication"
     pipe = prediction.pipeline
-    shape = f"reducer={prediction.reducer!r}, bucket_cap_mb={prediction.bucket / MB:.3g}"
+    shape = f"reducer={prediction.reducer!r}, bucket_cap_mb={prediction.bucket_cap_mb:g}"
     return shape if pipe.stages == 1 else f"{shape}, stages={pipe.stages}, chunks={pipe.micro_batches}"
 
 
@@ -138,15 +221,16 @@ def _print_plan(result: Plan, algorithms: list[ReduceAlgorithm], title: str) -> 
     for gpus in result.gpu_counts:
         best = result.recommended[gpus]
         row = [str(gpus)] + [_cell(result.predictions[(gpus, algorithm.name)]) for algorithm in algorithms]
-        table.add_row(*row, _shape(best), _rate(best.throughput))
+        table.add_row(*row, _arguments(best), _rate(best.throughput))
     console = _console()
     console.print(table)
     top = result.recommended[result.gpu_counts[-1]]
     step = top.step
     console.print(
-        f"Recommendation at {top.gpus} GPUs: {_shape(top)} — step {top.step_time * 1e3:.1f} ms "
+        f"Recommendation at {top.gpus} GPUs: rp.Replicator({_arguments(top)}) — step {top.step_time * 1e3:.1f} ms "
         f"(compute {step.compute * 1e3:.1f}, bubble {step.bubble * 1e3:.1f}, exposed communication "
-        f"{step.exposed * 1e3:.1f} of {step.communication * 1e3:.1f} ms), {_rate(top.throughput)} samples/s, "
+        f"{step.exposed * 1e3:.1f} of {step.communication * 1e3:.1f} ms, of which the last bucket's tail "
+        f"{step.tail * 1e3:.1f}), {_rate(top.throughput)} samples/s, "
         f"{top.efficiency:.1%} scaling efficiency vs 1 GPU."
     )
 
@@ -154,15 +238,38 @@ def _print_plan(result: Plan, algorithms: list[ReduceAlgorithm], title: str) -> 
 def _print_reproduction() -> None:
     from rich.table import Table
 
-    table = Table(title="Published scaling results against this model (inputs: replicator/plan/presets.py)")
-    for column in ("case", "GPUs", "algorithm", "bucket", "step", "exposed comm.", "predicted", "published", "diff."):
-        table.add_column(column, justify="left" if column in ("case", "algorithm") else "right")
-    for case in presets.PUBLISHED_CASES:
-        p = case.predict()
-        table.add_row(case.key, str(case.gpus), case.algorithm.name, f"{case.bucket / MB:g} MB",
-                      f"{p.step_time * 1e3:.1f} ms", f"{p.step.exposed * 1e3:.1f} ms", f"{p.efficiency:.1%}",
-                      f"{case.published_efficiency:.0%}", f"{(p.efficiency - case.published_efficiency) * 100:+.1f} pt")
+    fitted = published.fitted_assumptions()
+    table = Table(title=f"Published scaling results against this model (interference {fitted.interference:.3f}; "
+                        "inputs: replicator/plan/published.py; † outside the model)")
+    for column in ("case", "GPUs", "reducer", "step", "exposed", "tail", "predicted", "published", "error"):
+        table.add_column(column, justify="left" if column in ("case", "reducer") else "right")
+    for case in published.PUBLISHED_CASES:
+        p = case.prediction(fitted)
+        efficiency = case.predict(fitted)
+        table.add_row(case.key + (" †" if case.outside else ""), str(case.gpus), case.algorithm.reducer,
+                      f"{p.step_time * 1e3:.1f} ms", f"{p.step.exposed * 1e3:.1f} ms", f"{p.step.tail * 1e3:.1f} ms",
+                      f"{efficiency:.1%}", f"{case.published_efficiency:.1%}",
+                      f"{(efficiency - case.published_efficiency) * 100:+.1f} pt")
     _console().print(table)
+
+
+def _cluster(options: argparse.Namespace, gpu_flops: float, intra_bw: float, intra_latency: float,
+             intra_efficiency: float | None) -> tuple[Accelerator, Cluster]:
+    if options.max_gpus > options.gpus_per_node and options.max_gpus % options.gpus_per_node:
+        raise ValueError(f"--max-gpus {options.max_gpus} does not fill whole nodes of --gpus-per-node "
+                         f"{options.gpus_per_node}; use a multiple of {options.gpus_per_node}")
+    if options.intra_latency < 0 or options.inter_latency < 0:
+        raise ValueError("--intra-latency and --inter-latency must be >= 0 µs")
+    if intra_efficiency is None:
+        intra_efficiency = options.intra_efficiency or TRANSPORTS[options.intra_transport].efficiency
+    inter_efficiency = options.inter_efficiency or TRANSPORTS[options.inter_transport].efficiency
+    try:
+        accelerator = Accelerator(gpu_flops, options.efficiency, options.overlap)
+    except ValueError as error:
+        raise ValueError(f"--overlap: {error}") from None
+    cluster = Cluster.two_level(options.gpus_per_node, intra_bw, intra_latency, options.inter_bw * 1e9,
+                                options.inter_latency * 1e-6, intra_efficiency, inter_efficiency)
+    return accelerator, cluster
 
 
 def main(options: argparse.Namespace) -> int:
@@ -171,9 +278,10 @@ def main(options: argparse.Namespace) -> int:
         if options.reproduce:
             _print_reproduction()
             return 0
-        workload = _workload(options)
+        name, workload = _workload(options)
         gpu_flops, intra_bw = options.gpu_flops * 1e12, options.intra_bw * 1e9
         intra_latency = options.intra_latency * 1e-6
+        intra_efficiency = None
         if options.calibrate:
             from replicator.plan.calibrate import calibrate
             from replicator.testing import run_replicas
@@ -187,32 +295,43 @@ def main(options: argparse.Namespace) -> int:
                       "plan without --calibrate or check that 2 local processes can use Gloo on 127.0.0.1",
                       file=sys.stderr)
                 return 1
-            gpu_flops, intra_bw, intra_latency = measured.matmul_flops, measured.beta, measured.alpha
-            _console().print(
+            # What was measured is what is achieved: no further share of a line rate applies.
+            gpu_flops, intra_bw, intra_latency, intra_efficiency = (measured.matmul_flops, measured.beta,
+                                                                    measured.alpha, 1.0)
+            (sys.stderr if options.json else sys.stdout).write(
                 f"Calibrated: matmul {measured.matmul_flops / 1e9:.1f} GFLOP/s; loopback Gloo all-reduce over "
                 f"{measured.world_size} processes: α = {measured.alpha * 1e6:.1f} µs, "
-                f"β = {measured.beta / 1e9:.2f} GB/s (used for the intra-node tier)."
-            )
-        if options.gpus_per_node < 1:
-            raise ValueError(f"--gpus-per-node must be >= 1, got {options.gpus_per_node}")
-        accelerator = Accelerator(gpu_flops, options.efficiency, options.overlap)
-        cluster = Cluster.two_level(options.gpus_per_node, intra_bw, intra_latency,
-                                    options.inter_bw * 1e9, options.inter_latency * 1e-6)
+                f"β = {measured.beta / 1e9:.2f} GB/s achieved (used for the intra-node tier).\n")
+        accelerator, cluster = _cluster(options, gpu_flops, intra_bw, intra_latency, intra_efficiency)
         counts = gpu_counts(cluster, options.max_gpus)
-        if not counts:
-            raise ValueError(f"no GPU count up to {options.max_gpus} fills whole nodes of {options.gpus_per_node}")
         reducers = with_compression(REDUCERS) if options.fp16 else REDUCERS
         buckets = None if options.bucket_mb is None else [options.bucket_mb * MB]
         result = plan(workload, accelerator, cluster, counts, reducers, buckets, options.max_stages, options.recompute)
-        name = options.model or ("custom" if options.params is not None else "resnet50")
-        title = (f"{name}: {workload.params / 1e6:.1f} M params, {workload.flops_per_sample / 1e9:.2f} GFLOP/sample, "
-                 f"batch {workload.batch_per_gpu}/GPU, {options.gpus_per_node} GPUs/node, "
-                 f"overlap {accelerator.overlap:g}")
+        if options.json:
+            print(json.dumps(_records(result), indent=1))
+            return 0
+        compute = (f"{workload.batch_per_gpu / workload.step_s:,.1f} samples/s measured" if workload.step_s
+                   else f"{(workload.flops_per_sample or 0) / 1e9:.2f} GFLOP/sample")
+        title = (f"{name}: {workload.params / 1e6:,.1f} M params, {compute}, batch {workload.batch_per_gpu}/GPU, "
+                 f"{options.gpus_per_node} GPUs/node, overlap {accelerator.overlap:g}")
         _print_plan(result, list(reducers), title)
         return 0
     except ValueError as error:
         print(f"replicator plan: {error}", file=sys.stderr)
         return 2
+
+
+def _records(result: Plan) -> list[dict[str, object]]:
+    """Every best-bucket prediction (GPU count × reducer), and recommended pipelines, marked as recommended or not."""
+    records = []
+    recommended = {id(p) for p in result.recommended.values()}
+    seen = set()
+    for prediction in [*result.predictions.values(), *result.recommended.values()]:
+        if id(prediction) in seen:
+            continue
+        seen.add(id(prediction))
+        records.append({**prediction.to_dict(), "recommended": id(prediction) in recommended})
+    return sorted(records, key=lambda r: (str(r["gpus"]).zfill(8), str(r["algorithm"]), str(r["stages"]).zfill(4)))
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

@@ -1,4 +1,4 @@
-"""Alpha–beta scaling planner: collective costs, the step model, the planner and calibration (`replicator plan`)."""
+"""Alpha–beta scaling planner: collective costs, gradient profiles, the step model, the planner (`replicator plan`)."""
 
 from replicator.plan.cost import Level, all_reduce_time
 from replicator.plan.planner import (
@@ -13,7 +13,9 @@ from replicator.plan.planner import (
     plan,
     predict,
 )
+from replicator.plan.profile import GradientProfile, Layer, from_factory, from_module
 from replicator.plan.step import Accelerator, Pipeline, StepBreakdown, Workload, step_time
+from replicator.plan.transports import TRANSPORTS, Transport
 
 __all__ = [
     "Level",
@@ -33,4 +35,10 @@ __all__ = [
     "best_bucket",
     "gpu_counts",
     "plan",
+    "GradientProfile",
+    "Layer",
+    "from_module",
+    "from_factory",
+    "Transport",
+    "TRANSPORTS",
 ]

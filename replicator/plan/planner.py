@@ -6,7 +6,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from replicator.plan._checks import raise_if
 from replicator.plan.cost import Level, all_reduce_time
+from replicator.plan.profile import FIRST_BUCKET_BYTES
 from replicator.plan.step import NO_PIPELINE, Accelerator, Pipeline, StepBreakdown, Workload, step_time
 
 __all__ = [
@@ -36,13 +38,29 @@ TOLERANCE = 0.005
 
 @dataclass(frozen=True)
 class Tier:
-    """One kind of link in a cluster. `size`: members per unit (None for the outermost tier, which grows)."""
+    """One kind of link in a cluster. `size`: members per unit (None for the outermost tier, which grows).
+
+    `bandwidth` is the line rate (bytes/s, one direction); `efficiency` the fraction of it
+    an all-reduce achieves over this transport (transports.TRANSPORTS has defaults per kind).
+    """
 
     name: str
     size: int | None
     bandwidth: float
     latency: float
     shared_by: int = 1
+    efficiency: float = 1.0
+
+    def __post_init__(self) -> None:
+        raise_if(not self.bandwidth > 0, f"tier {self.name!r}: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
+        raise_if(not self.latency >= 0, f"tier {self.name!r}: latency must be >= 0 s, got {self.latency}")
+        raise_if(not 0 < self.efficiency <= 1,
+                 f"tier {self.name!r}: efficiency (achieved share of line rate) must be in (0, 1], "
+                 f"got {self.efficiency}")
+
+    @property
+    def achieved_bandwidth(self) -> float:
+        return self.bandwidth * self.efficiency
 
 
 @dataclass(frozen=True)
@@ -60,11 +78,17 @@ class Cluster:
 
     @classmethod
     def two_level(cls, gpus_per_node: int, intra_bandwidth: float, intra_latency: float,
-                  inter_bandwidth: float, inter_latency: float) -> Cluster:
-        """Nodes of `gpus_per_node` GPUs; `inter_bandwidth` is one node's network port, shared by its GPUs."""
+                  inter_bandwidth: float, inter_latency: float, intra_efficiency: float = 1.0,
+                  inter_efficiency: float = 1.0) -> Cluster:
+        """Nodes of `gpus_per_node` GPUs; `inter_bandwidth` is one node's network port, shared by its GPUs.
+
+        Bandwidths are line rates; the efficiencies are the shares of them an all-reduce achieves.
+        """
+        raise_if(gpus_per_node < 1, f"gpus_per_node must be >= 1, got {gpus_per_node}")
         return cls((
-            Tier("intra-node", gpus_per_node, intra_bandwidth, intra_latency),
-            Tier("inter-node", None, inter_bandwidth, inter_latency, shared_by=gpus_per_node),
+            Tier("intra-node", gpus_per_node, intra_bandwidth, intra_latency, efficiency=intra_efficiency),
+            Tier("inter-node", None, inter_bandwidth, inter_latency, shared_by=gpus_per_node,
+                 efficiency=inter_efficiency),
         ))
 
     @property
@@ -79,14 +103,14 @@ class Cluster:
         remaining = gpus
         for position, tier in enumerate(self.tiers):
             if tier.size is None or remaining <= tier.size:
-                levels.append(Level(remaining, tier.bandwidth, tier.latency, tier.shared_by, tier.name))
+                levels.append(Level(remaining, tier.achieved_bandwidth, tier.latency, tier.shared_by, tier.name))
                 remaining = 1
                 break
             if remaining % tier.size:
                 unit = math.prod(t.size or 1 for t in self.tiers[: position + 1])
                 raise ValueError(f"{gpus} GPUs do not fill whole units of {tier.size} at tier {tier.name!r}; "
                                  f"use a multiple of {unit}")
-            levels.append(Level(tier.size, tier.bandwidth, tier.latency, tier.shared_by, tier.name))
+            levels.append(Level(tier.size, tier.achieved_bandwidth, tier.latency, tier.shared_by, tier.name))
             remaining //= tier.size
         if remaining != 1:
             raise ValueError(f"{gpus} GPUs do not fit this cluster (its outermost tier has a fixed size)")
@@ -187,6 +211,25 @@ class Prediction:
         """Throughput over gpus × single-GPU throughput."""
         return self.single_gpu_step / self.step.total
 
+    @property
+    def bucket_cap_mb(self) -> float:
+        """The bucket as `Replicator(bucket_cap_mb=...)` takes it: MiB, rounded up to 3 significant digits so a
+        bucket meant to hold the whole gradient still does."""
+        mib = self.bucket / MB
+        scale = 10 ** (math.floor(math.log10(mib)) - 2) if mib > 0 else 1
+        return round(math.ceil(mib / scale - 1e-9) * scale, 6)
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain data for `replicator plan --json` and the run report: what to paste and what to expect."""
+        return {
+            "gpus": self.gpus, "reducer": self.reducer, "bucket_cap_mb": self.bucket_cap_mb,
+            "stages": self.pipeline.stages, "chunks": self.pipeline.micro_batches,
+            "step_s": self.step_time, "efficiency": self.efficiency, "samples_per_s": self.throughput,
+            "compute_s": self.step.compute, "communication_s": self.step.communication,
+            "exposed_s": self.step.exposed, "tail_s": self.step.tail, "bubble_s": self.step.bubble,
+            "algorithm": self.algorithm.name,
+        }
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -227,8 +270,12 @@ def _replica_levels(levels: list[Level], stages: int) -> list[Level]:
 
 
 def predict(workload: Workload, accelerator: Accelerator, cluster: Cluster, gpus: int, reducer: ReduceAlgorithm,
-            bucket: float, pipeline: Pipeline = NO_PIPELINE) -> Prediction:
-    """Predicted step on `gpus` GPUs with one reducer, bucket size and pipeline shape."""
+            bucket: float, pipeline: Pipeline = NO_PIPELINE, first_bucket: float = FIRST_BUCKET_BYTES) -> Prediction:
+    """Predicted step on `gpus` GPUs with one reducer, bucket size and pipeline shape.
+
+    `first_bucket` is the size of the first bucket backward fills (the runtime's 1 MiB, as
+    torch DDP's; a system without one passes `bucket`).
+    """
     if gpus % pipeline.stages:
         raise ValueError(f"{gpus} GPUs cannot hold whole replicas of {pipeline.stages} stages")
     if workload.batch_per_gpu * pipeline.stages < pipeline.micro_batches:
@@ -248,7 +295,7 @@ def predict(workload: Workload, accelerator: Accelerator, cluster: Cluster, gpus
     def p2p(nbytes: float) -> float:
         return boundary.latency + nbytes / boundary.bandwidth
 
-    step = step_time(wire, accelerator, all_reduce if replicas > 1 else None, bucket, pipeline, p2p)
+    step = step_time(wire, accelerator, all_reduce if replicas > 1 else None, bucket, pipeline, p2p, first_bucket)
     single = step_time(workload, accelerator, None, bucket).total
     return Prediction(gpus, reducer, bucket, pipeline, step, single, gpus * workload.batch_per_gpu)
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from replicator.plan._checks import raise_if
+from replicator.plan.profile import FIRST_BUCKET_BYTES, GradientProfile, ReadyBucket
 
 __all__ = [
     "BACKWARD_PER_FORWARD",
@@ -18,6 +19,8 @@ __all__ = [
     "gpipe_bubble_fraction",
     "bucket_sizes",
     "overlap",
+    "Schedule",
+    "schedule_buckets",
     "step_time",
 ]
 
@@ -33,27 +36,52 @@ class Workload:
     `flops_per_sample` counts forward FLOPs (a multiply-add is 2). `gradient_bytes` is
     the size of one gradient element on the wire (4 for fp32, 2 for fp16 compression).
     `activation_bytes_per_sample` matters only for pipelines: what crosses a stage
-    boundary per sample.
+    boundary per sample. `step_s`, when given, is one training step measured on one
+    device at `batch_per_gpu` (forward, backward and update): it replaces the FLOPs
+    estimate, and `flops_per_sample` may then be None. `profile` gives the gradient per
+    layer in backward order, so buckets are ready when backward reaches them; without it
+    gradient bytes appear at a steady rate over backward.
     """
 
     params: float
-    flops_per_sample: float
+    flops_per_sample: float | None
     batch_per_gpu: int
     gradient_bytes: int = 4
     activation_bytes_per_sample: float = 0.0
+    step_s: float | None = None
+    profile: GradientProfile | None = None
 
     def __post_init__(self) -> None:
         raise_if(self.params <= 0, f"params must be > 0, got {self.params}")
-        raise_if(self.flops_per_sample <= 0, f"flops_per_sample must be > 0, got {self.flops_per_sample}")
+        raise_if(self.flops_per_sample is None and self.step_s is None,
+                 "give flops_per_sample or a measured step_s (one device's step time)")
+        raise_if(self.flops_per_sample is not None and self.flops_per_sample <= 0,
+                 f"flops_per_sample must be > 0, got {self.flops_per_sample}")
+        raise_if(self.step_s is not None and not self.step_s > 0, f"step_s must be > 0 s, got {self.step_s}")
         raise_if(self.batch_per_gpu < 1, f"batch_per_gpu must be >= 1, got {self.batch_per_gpu}")
         raise_if(self.gradient_bytes < 1, f"gradient_bytes must be >= 1, got {self.gradient_bytes}")
         raise_if(self.activation_bytes_per_sample < 0,
                  f"activation_bytes_per_sample must be >= 0, got {self.activation_bytes_per_sample}")
+        raise_if(self.profile is not None and abs(self.profile.params - self.params) > 1e-6 * self.params + 1,
+                 f"the gradient profile holds {self.profile.params if self.profile else 0:,} elements but params is "
+                 f"{self.params:,.0f}; give the profile's count")
 
     @property
     def gradient_size(self) -> float:
         """Bytes of gradient one replica all-reduces per step."""
         return self.params * self.gradient_bytes
+
+    def layers(self) -> GradientProfile:
+        """The gradient profile: the given one, else one evenly produced layer of `params` elements."""
+        return self.profile if self.profile is not None else GradientProfile.uniform(self.params)
+
+    def forward_seconds_per_sample(self, accelerator: Accelerator) -> float:
+        """One sample's forward: a third of the measured step if there is one (backward is twice forward), else
+        FLOPs over the accelerator's achieved rate."""
+        if self.step_s is not None:
+            return self.step_s / self.batch_per_gpu / (1 + BACKWARD_PER_FORWARD)
+        assert self.flops_per_sample is not None  # __post_init__ requires one of the two
+        return self.flops_per_sample / accelerator.achieved_flops
 
 
 @dataclass(frozen=True)
@@ -101,7 +129,8 @@ NO_PIPELINE = Pipeline()
 
 @dataclass(frozen=True)
 class StepBreakdown:
-    """Seconds per step. `communication` is the all-reduce busy time, `exposed` the part not hidden."""
+    """Seconds per step. `communication` is the all-reduce busy time, `exposed` the part not hidden, and `tail`
+    the all-reduce of the last bucket, ready only when backward ends: the part no overlap can hide."""
 
     forward: float
     backward: float
@@ -109,6 +138,7 @@ class StepBreakdown:
     p2p: float
     communication: float
     exposed: float
+    tail: float = 0.0
 
     @property
     def compute(self) -> float:
@@ -158,16 +188,46 @@ def overlap(total: float, bucket: float, window: float, all_reduce: Callable[[fl
     """
     if window < 0:
         raise ValueError(f"overlap window must be >= 0 s, got {window}")
-    free = 0.0
-    busy = 0.0
-    produced = 0.0
-    for size in bucket_sizes(total, bucket):
-        produced += size
-        ready = window * min(1.0, produced / total)
-        duration = all_reduce(size)
-        free = max(free, ready) + duration
-        busy += duration
-    return max(0.0, free - window), busy
+    sizes = bucket_sizes(total, bucket)
+    ready = [ReadyBucket(size, min(1.0, produced / total)) for size, produced in zip(sizes, _running_sum(sizes))]
+    timeline = schedule_buckets(ready, window, all_reduce)
+    return timeline.exposed, timeline.busy
+
+
+def _running_sum(values: list[float]) -> list[float]:
+    sums, running = [], 0.0
+    for value in values:
+        running += value
+        sums.append(running)
+    return sums
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When the gradient all-reduce of one step ends, measured from the start of backward."""
+
+    end: float
+    busy: float
+    exposed: float
+    tail: float
+
+
+def schedule_buckets(buckets: Sequence[ReadyBucket], window: float,
+                     all_reduce: Callable[[float], float]) -> Schedule:
+    """Each bucket's all-reduce starts when the bucket is ready and the link is free (one stream, in order).
+
+    `window` is backward's length; a bucket is ready at `ready × window`. Whatever is on
+    the wire after backward ends is exposed; the last bucket is ready only then, so its
+    all-reduce (the tail) shows whatever the schedule.
+    """
+    if window < 0:
+        raise ValueError(f"overlap window must be >= 0 s, got {window}")
+    free = busy = tail = 0.0
+    for item in buckets:
+        tail = all_reduce(item.nbytes)
+        free = max(free, item.ready * window) + tail
+        busy += tail
+    return Schedule(free, busy, max(0.0, free - window), tail)
 
 
 def step_time(
@@ -177,19 +237,23 @@ def step_time(
     bucket: float,
     pipeline: Pipeline = NO_PIPELINE,
     p2p: Callable[[float], float] | None = None,
+    first_bucket: float = FIRST_BUCKET_BYTES,
 ) -> StepBreakdown:
     """Time of one synchronous step on one GPU of a data- (and optionally pipeline-) parallel job.
 
-    A replica of K stages takes batch_per_gpu × K samples in M micro-batches, so every
-    GPU does the same work as without a pipeline; the schedule runs M + K - 1 slots
-    of each micro-batch's forward and backward. Stage 0 finishes last, so its share of
-    the gradient (1/K of it) decides the exposed communication, and only its last
-    micro-batch's backward is left to hide it under. `all_reduce(bytes)` is None for a
-    single replica; `p2p(bytes)` costs one activation transfer between stages.
+    Without a pipeline, buckets form as the runtime forms them (the first of
+    `first_bucket` bytes) from the workload's gradient profile and are ready as backward
+    reaches their last layer. A replica of K stages takes batch_per_gpu × K samples in M
+    micro-batches, so every GPU does the same work as without a pipeline; the schedule
+    runs M + K - 1 slots of each micro-batch's forward and backward. Stage 0 finishes
+    last, so its share of the gradient (1/K of it, produced evenly) decides the exposed
+    communication, and only its last micro-batch's backward is left to hide it under.
+    `all_reduce(bytes)` is None for a single replica; `p2p(bytes)` costs one activation
+    transfer between stages.
     """
     stages, micro = pipeline.stages, pipeline.micro_batches
     samples_per_micro_batch = workload.batch_per_gpu * stages / micro
-    forward_slot = workload.flops_per_sample * samples_per_micro_batch / stages / accelerator.achieved_flops
+    forward_slot = workload.forward_seconds_per_sample(accelerator) * samples_per_micro_batch / stages
     backward_slot = forward_slot * (BACKWARD_PER_FORWARD + (1.0 if pipeline.recompute else 0.0))
     slots = micro + stages - 1
     forward = micro * forward_slot
@@ -199,9 +263,15 @@ def step_time(
     if stages > 1 and p2p is not None:
         # Activations forward and their gradients backward, once per slot.
         p2p_time = 2 * slots * p2p(workload.activation_bytes_per_sample * samples_per_micro_batch)
-    exposed = busy = 0.0
+    exposed = busy = tail = 0.0
     if all_reduce is not None:
-        exposed_at_best, busy = overlap(workload.gradient_size / stages, bucket, backward_slot, all_reduce)
+        if stages == 1:
+            buckets = workload.layers().buckets(bucket, workload.gradient_bytes, first_bucket)
+        else:
+            buckets = GradientProfile.uniform(workload.params / stages).buckets(
+                bucket, workload.gradient_bytes, first_bucket)
+        timeline = schedule_buckets(buckets, backward_slot, all_reduce)
+        busy, tail = timeline.busy, timeline.tail
         # Between perfect overlap (only what outlasts backward shows) and none (all of it shows).
-        exposed = accelerator.overlap * exposed_at_best + (1 - accelerator.overlap) * busy
-    return StepBreakdown(forward, backward, bubble, p2p_time, busy, exposed)
+        exposed = accelerator.overlap * timeline.exposed + (1 - accelerator.overlap) * busy
+    return StepBreakdown(forward, backward, bubble, p2p_time, busy, exposed, tail)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import replicator as rp
 from replicator.cli.plan import add_arguments, main
-from replicator.plan import presets
+from replicator.plan import presets, published
 from replicator.plan.planner import (
     REDUCERS,
     Cluster,
@@ -29,15 +29,15 @@ from replicator.testing import run_replicas
 EVERY_ALGORITHM: tuple[ReduceAlgorithm, ...] = (
     *with_compression(REDUCERS),
     *with_compression(REDUCERS, "bf16")[len(REDUCERS):],
-    *(case.algorithm for case in presets.PUBLISHED_CASES),
+    *(case.algorithm for case in published.PUBLISHED_CASES),
 )
 
 
 def _recommended(cluster: Cluster, max_gpus: int) -> set[str]:
     """Every reducer the planner predicts or recommends for each model preset on `cluster`."""
     seen: set[str] = set()
-    for model in presets.MODELS.values():
-        workload = Workload(model.params, model.forward_flops, batch_per_gpu=32)
+    for model in (presets.MODELS["resnet50"], presets.MODELS["vgg16"]):
+        workload = Workload(model.params, model.forward_flops, batch_per_gpu=32, profile=model.profile())
         result = plan(workload, Accelerator(presets.P100_SXM2_FP32.value, presets.COMPUTE_EFFICIENCY), cluster,
                       gpu_counts(cluster, max_gpus), with_compression(REDUCERS), max_stages=4)
         seen |= {p.reducer for p in result.predictions.values()} | {p.reducer for p in result.recommended.values()}
@@ -61,13 +61,13 @@ def test_every_planner_algorithm_names_a_runtime_reducer(algorithm: ReduceAlgori
 
 def test_every_printed_recommendation_parses(capsys: pytest.CaptureFixture[str]) -> None:
     printed: set[str] = set()
-    for model in presets.MODELS:
+    for model in ("resnet50", "vgg16", "bert_large"):
         printed |= _printed(capsys, "--model", model, "--max-gpus", "64", "--fp16", "--max-stages", "4")
         # A slow network, where the hierarchy and compression pay.
         printed |= _printed(capsys, "--model", model, "--max-gpus", "64", "--fp16", "--inter-bw", "0.5")
     assert printed, "replicator plan printed no recommendation"
     slow_network = Cluster.two_level(8, 150e9, 5e-6, 1.25e9, 50e-6)
-    predicted = _recommended(presets.PUBLISHED_CASES[0].cluster(), 256) | _recommended(slow_network, 256)
+    predicted = _recommended(published.PUBLISHED_CASES[0].cluster(), 256) | _recommended(slow_network, 256)
     for reducer in printed | predicted:
         parse_reducer(reducer)  # raises ValueError for a name the runtime rejects
 
@@ -81,13 +81,14 @@ def test_runtime_reducer_refuses_what_no_reducer_runs() -> None:
 
 
 # -- a recommendation for one node, pasted into Replicator in two processes ---------------------
-def _one_step(reducers: list[str]) -> dict[str, Any]:
-    """One SGD step of a small regression through Replicator(reducer=...) per reducer, and the full-batch step."""
+def _one_step(configurations: list[tuple[str, float]]) -> dict[str, Any]:
+    """One SGD step of a small regression through Replicator(reducer=..., bucket_cap_mb=...) per configuration,
+    and the full-batch step."""
     generator = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)
     out: dict[str, Any] = {}
-    for reducer in reducers:
-        repl = rp.Replicator(reducer=reducer)
+    for reducer, bucket_cap_mb in configurations:
+        repl = rp.Replicator(reducer=reducer, bucket_cap_mb=bucket_cap_mb)
         with repl.scope():
             torch.manual_seed(0)
             model = torch.nn.Linear(6, 3)
@@ -113,9 +114,12 @@ def test_a_one_node_recommendation_trains_in_two_processes() -> None:
                              presets.INFINIBAND_EDR.value, presets.NETWORK_LATENCY)
     workload = Workload(presets.MODELS["resnet50"].params, presets.MODELS["resnet50"].forward_flops, 32)
     result = plan(workload, Accelerator(presets.P100_SXM2_FP32.value, 0.5), node, [2], with_compression(REDUCERS))
-    reducers = list(dict.fromkeys([result.recommended[2].reducer, *(p.reducer for p in result.predictions.values())]))
+    chosen = [result.recommended[2], *result.predictions.values()]
+    configurations = list(dict.fromkeys((p.reducer, p.bucket_cap_mb) for p in chosen))
+    reducers = list(dict.fromkeys(reducer for reducer, _ in configurations))
     assert set(reducers) == {"flat", "hierarchical", "fp16", "fp16@hierarchical"}
-    results = run_replicas(_one_step, 2, reducers, timeout_s=180)
+    configurations = [next(c for c in configurations if c[0] == reducer) for reducer in reducers]
+    results = run_replicas(_one_step, 2, configurations, timeout_s=180)
     for reducer in reducers:
         for got, expected in zip(results[0][reducer], results[0]["one process"]):
             # Lossless reducers give the full-batch step to fp32 round-off; fp16 rounds the gradient.
