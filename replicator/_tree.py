@@ -60,6 +60,12 @@ def leaves_with_paths(tree: Any, root: str) -> Iterator[tuple[str, Any]]:
         yield root + pytree.keystr(path), leaf
 
 
+def named_leaves(tree: Any) -> Iterator[tuple[str, Any]]:
+    """Each leaf with its keys joined by "/" (`metrics/accuracy`, `0`): names for logs, as TensorBoard's tags."""
+    for path, leaf in pytree.tree_flatten_with_path(plain(tree))[0]:
+        yield "/".join(str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))) for key in path), leaf
+
+
 def to_device(tree: Any, device: torch.device) -> Any:
     """Every tensor in `tree` on `device` (copied without blocking the host); the rest unchanged."""
     return map_tensors(lambda t: t if t.device == device else t.to(device, non_blocking=True), tree)
