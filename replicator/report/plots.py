@@ -71,7 +71,7 @@ def plot_throughput(run: Run, path: Path) -> Path:
     start = min(line["wall_time"] - line["time"] for line in run.metrics)  # one clock across resumed runs
     seconds = [line["wall_time"] - start for line in lines]
     rates = [float(line["samples_per_second"]) for line in lines]
-    window = max(1, len(rates) // 20)
+    window = max(2, len(rates) // 20)
     running = [statistics.median(rates[max(0, i - window):i + window + 1]) for i in range(len(rates))]
     warmup = int(run.summary.get("warmup_steps") or 0)
     plt = _pyplot()
