@@ -11,11 +11,12 @@ import json
 import math
 import numbers
 import os
+import queue
 import re
 import socket
 import sys
+import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -36,9 +37,6 @@ METRICS, CONFIG, SUMMARY = "metrics.jsonl", "config.json", "summary.json"
 COLUMNS = ("step", "time", "wall_time", "samples", "samples_per_second", "step_seconds")
 # The figures of one phase of telemetry.Phase.values(), named for summary.json's `breakdown`.
 BREAKDOWN_FIELDS = ("steps", "step_seconds", "compute_seconds", "communication_seconds", "input_seconds")
-# Steps a device tensor gets to arrive before its value is read: reading the step just launched would
-# make the host wait for the device at every step (the step loop judges outputs as late, for the same reason).
-DEVICE_LAG = 2
 # Seconds between TensorBoard's flushes to disk: a crashed run keeps its curves up to then.
 BOARD_FLUSH_S = 10
 
@@ -54,7 +52,6 @@ class _Step:
     interval: float
     seconds: float
     scalars: list[tuple[str, Any]] = field(default_factory=list)
-    on_device: bool = False
 
 
 def check_request(record: object, name: object) -> None:
@@ -70,9 +67,11 @@ def check_request(record: object, name: object) -> None:
 
 
 def default_name() -> str:
-    """The script's stem (`train` for `python train.py`), else "run" (an interactive session)."""
-    script = sys.argv[0] if sys.argv else ""
-    stem = Path(script).stem if script not in ("", "-c", "-m") else ""
+    """The script's stem (`train` for `python train.py`, the package for `python -m package`), else "run"."""
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c", "-m") else None
+    if script is None:
+        return "run"  # an interactive session or `python -c`
+    stem = script.parent.name if script.stem == "__main__" else script.stem
     return stem or "run"
 
 
@@ -209,7 +208,10 @@ class RunRecord:
         self.tensorboard = False
         self._metrics: IO[str] | None = None
         self._board: Any = None
-        self._pending: deque[_Step] = deque()
+        # Lines are formatted and written by a thread of their own: reading a loss from a GPU there never makes
+        # the training thread wait for the device, and TensorBoard's event encoding stays off the step.
+        self._queue: queue.SimpleQueue[_Step | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
         self._started = self._last_end = time.perf_counter()
         self._clock_started = False
         self._steps = self._samples = 0
@@ -220,6 +222,8 @@ class RunRecord:
             self._metrics = open(directory / METRICS, "a", encoding="utf-8")  # appends when a run resumes here
             self._board = _tensorboard(directory)
             self.tensorboard = self._board is not None
+            self._writer = threading.Thread(target=self._write_lines, name="replicator-run-record", daemon=True)
+            self._writer.start()
 
     @classmethod
     def open(cls, record: bool | str | os.PathLike[str], name: str | None, job: Job, arguments: dict[str, Any],
@@ -264,24 +268,20 @@ class RunRecord:
             return
         now = time.perf_counter()
         scalars = _scalars(output)
-        on_device = any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for _, v in scalars)
-        self._pending.append(_Step(step, now - self._started, time.time(), samples, now - self._last_end, seconds,
-                                   scalars, on_device))
+        self._queue.put(_Step(step, now - self._started, time.time(), samples, now - self._last_end, seconds, scalars))
         self._last_end = now
         self._steps += 1
         self._samples += samples
         self._first_step = step if self._first_step is None else self._first_step
         self._last_step = step
-        while self._pending and (len(self._pending) > DEVICE_LAG or not self._pending[-1].on_device):
-            self._write_step(self._pending.popleft())
 
     def on_run_end(self) -> None:
         """The loop ended: write what is pending and close; without a normal end, the summary too."""
         if self.directory is None:
             return
-        while self._pending and self._metrics is not None:
-            self._write_step(self._pending.popleft())
-        self._close()
+        if self._writer is not None:
+            self._queue.put(None)  # every line before it is written and flushed, then the files close
+            self._writer.join()
         ending = sys.exc_info()[1]  # called from the loop's `finally`: the error leaving it, if any
         if isinstance(ending, GeneratorExit):
             self._summarize({"status": "stopped", "reason": "the loop over run() was left early (a break)"})
@@ -297,6 +297,13 @@ class RunRecord:
             self._summarize({"status": "finished", **figures,
                              "breakdown": breakdown(figures.get("per_replica") or [])})
         return figures
+
+    def _write_lines(self) -> None:
+        """The writer thread: each step's line as it comes, until the run ends."""
+        while (entry := self._queue.get()) is not None:
+            if self._metrics is not None:
+                self._write_step(entry)
+        self._close()
 
     def _write_step(self, entry: _Step) -> None:
         assert self._metrics is not None
