@@ -20,8 +20,11 @@ PROGRESS_EVERY = "REPLICATOR_PROGRESS_EVERY"  # stdout not a terminal: a progres
 LOCAL_LINK = "REPLICATOR_LOCAL_LINK"  # 0: keep every message on the group's backend
 ATTEMPT = "REPLICATOR_ATTEMPT"  # which restart of the job this is, set by the launcher
 MAX_RESTARTS = "REPLICATOR_MAX_RESTARTS"  # the launcher's --max-restarts, for the job to read
+RUNS = "REPLICATOR_RUNS"  # where run() records its runs (default "runs"); 0 records none
 
 _TRUE = ("1", "true", "yes", "on")
+# The root of run records, relative to the working directory, as TensorBoard's and Lightning's are.
+DEFAULT_RUNS = "runs"
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -90,3 +93,11 @@ def local_link() -> bool:
 def attempt() -> int:
     """Which restart of the job this process belongs to: 0 on the first attempt."""
     return int(os.environ.get(ATTEMPT) or 0) + int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def runs_root() -> str | None:
+    """Where run() records runs by default: REPLICATOR_RUNS (default "runs"); None when it is 0, off or false."""
+    value = os.environ.get(RUNS, "").strip()
+    if value.lower() in ("0", "off", "false", "no"):
+        return None
+    return value or DEFAULT_RUNS

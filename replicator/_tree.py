@@ -60,6 +60,27 @@ def leaves_with_paths(tree: Any, root: str) -> Iterator[tuple[str, Any]]:
         yield root + pytree.keystr(path), leaf
 
 
+def named_leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Each leaf with its keys joined by "/" (`metrics/accuracy`, `0`): names for logs, as TensorBoard's tags.
+
+    Dicts, lists, tuples and namedtuples are walked directly rather than through pytree: this runs at every
+    step, and the outputs it names are small.
+    """
+    fields = getattr(type(tree), "_fields", None) if isinstance(tree, tuple) else None
+    items: Iterator[tuple[Any, Any]]
+    if isinstance(tree, dict):
+        items = iter(tree.items())
+    elif fields is not None:
+        items = zip(fields, tree)
+    elif isinstance(tree, (list, tuple)):
+        items = iter(enumerate(tree))
+    else:
+        yield prefix, tree
+        return
+    for key, value in items:
+        yield from named_leaves(value, f"{prefix}/{key}" if prefix else str(key))
+
+
 def to_device(tree: Any, device: torch.device) -> Any:
     """Every tensor in `tree` on `device` (copied without blocking the host); the rest unchanged."""
     return map_tensors(lambda t: t if t.device == device else t.to(device, non_blocking=True), tree)

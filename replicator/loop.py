@@ -117,6 +117,11 @@ class StepLoop:
     def num_replicas(self) -> int:
         return self.context.num_replicas
 
+    @property
+    def stages(self) -> int:
+        """The processes of the job that announce each replica's batch: its pipeline stages (else 1)."""
+        return max(1, self.agreement.size // self.num_replicas)
+
     def run(self, step_fn: Callable[[ReplicaContext, Any], Any], iterator: EpochStream, steps: int | None,
             observers: list[Observer]) -> Generator[tuple[int, Any], None, RunOutcome]:
         """Yield `(step, output)` per step; return the RunOutcome (use `yield from`)."""
@@ -142,7 +147,9 @@ class StepLoop:
                     observer.on_agreement_wait(agreed)
                 size = self._count(batch)
                 verdict = pending.wait() if pending is not None else None  # this step's, awaited already
-                total = verdict.sums[1] if verdict is not None else size * self.num_replicas
+                # The announcement sums over every process of the job: with pipeline stages, each replica's
+                # batch once per stage. The step's samples count each replica once.
+                total = verdict.sums[1] // self.stages if verdict is not None else size * self.num_replicas
                 uneven = verdict is not None and verdict.minima[1] != verdict.maxima[1]
                 # The input's position counts samples, whatever count_samples weighs the gradient by.
                 self.context.step, self.context.epoch = step, iterator.consume(leading_size(batch))

@@ -23,6 +23,7 @@ from replicator.job import Job, announced
 from replicator.loop import Checkpointer, Observer, StepLoop, check_run_arguments
 from replicator.pipeline.randomness import seed_stage
 from replicator.pipeline.recompute import resolve_recompute
+from replicator.record import RunRecord
 from replicator.scope import ModelScope
 from replicator.sync.broadcast import broadcast_state
 from replicator.sync.buffers import average_buffers
@@ -81,6 +82,7 @@ class Replicator:
         outer_every: int | None = None, outer_optimizer: OuterOptimizer | None = None,
         parameter_servers: int = 0, max_staleness: int | None = None, actors: int = 0, evaluator: bool = False,
     ) -> None:
+        self.arguments = {key: value for key, value in locals().items() if key != "self"}  # as given: for run records
         recompute = resolve_recompute(recompute, checkpoint)  # checkpoint= warns: saved state is run(checkpoint_*)
         if stages < 1 or chunks < 1:
             raise ReplicatorUsageError(f"stages and chunks must be at least 1, got stages={stages}, chunks={chunks}")
@@ -114,6 +116,7 @@ class Replicator:
         self.guard = ReplicaGuard(job.replica_agreement, self.optimizers, self._trained_modules, models.tensor_names,
                                   optimizer_state=self.diloco is None)  # DiLoCo's groups keep their inner state
         self.last_run: dict[str, Any] = {}
+        self.record = RunRecord()  # the latest run()'s: its `directory` on the main process, else None
         self._stages: list[PipelineStage] = []
         self._input = InputPosition(self.replica_id, self.num_replicas, self.device, self.is_main, stages)
         self._restored = False
@@ -246,7 +249,8 @@ class Replicator:
     def run(self, step_fn: Callable[[ReplicaContext, Any], Any], inputs: Iterable[Any], steps: int | None = None, *,
             epochs: int | None = None, progress: bool | None = None, warmup_steps: int = 5, update_period: int = 100,
             checkpoint_every: int | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
-            keep: int = 3, actor_fn: Callable[..., Any] | None = None) -> Iterator[tuple[int, Any]]:
+            keep: int = 3, actor_fn: Callable[..., Any] | None = None,
+            record: bool | str | os.PathLike[str] = True, name: str | None = None) -> Iterator[tuple[int, Any]]:
         """Run `step_fn(ctx, batch)` on every replica; yield `(step, output)` for each step.
 
         `inputs`: `repl.prepare_input(input_fn)`, a DataLoader (split across replicas) or any iterable of this
@@ -258,8 +262,10 @@ class Replicator:
         With `checkpoint_dir`, a fresh Replicator first resumes from the newest complete checkpoint there
         (parameters, optimizers, schedulers, step, epoch and place in it, random generators) without reading the
         batches before that place; with `checkpoint_every=N` it saves after every N-th step, keeping `keep`.
+        The main process records the run (`repl.record`) in runs/<time>-<name>, `record` (a path) or not (False).
         """
         check_run_arguments(steps, checkpoint_every, checkpoint_dir, self.optimizers.state.accumulation, epochs)
+        self.record = RunRecord.open(record, name, self.job, self.arguments, self.reducer, self._trained_modules())
         serving = serves_this_run(self.regime, actor_fn, update_period, steps)  # a server, an actor, the evaluator
         from replicator.checkpoint import latest
 
@@ -275,7 +281,7 @@ class Replicator:
         self.optimizers.set_on_wait(times.add_communication)
         self.regime.begin(times.add_communication)  # async: the servers' parameters, and updates through them
         self.guard.require_identical("at the start of run()")  # parameters, buffers and optimizer state
-        observers: list[Observer] = [times, Progress(steps, enabled=show), self.guard.watch_gradients()]
+        observers: list[Observer] = [times, Progress(steps, enabled=show), self.guard.watch_gradients(), self.record]
         if self.diloco is not None:  # first: its outer step is part of the step that the others see end
             observers.insert(0, self.diloco.begin(self.optimizers, times.add_after_step, checkpoint_every))
         if checkpoint_every and checkpoint_dir is not None:
@@ -288,6 +294,7 @@ class Replicator:
         figures |= self.regime.finish(times, show)  # async: every group done, the final parameters in place
         table = show and not self.regime.prints_report  # async: every group's report and table, from finish()
         self.last_run = summarize_run(self.job.agreement, times, outcome.steps, outcome.ended_early, table) | figures
+        self.last_run = self.record.finish(self.last_run)  # with run_dir; into summary.json
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str], *, keep: int | None = None,

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from replicator.testing import run_replicas
+
+# Every run() records itself (runs/<time>-<name> by default): the suite's records go to a temporary root, set
+# before any process starts so that the replicas inherit it, never into the repository.
+if "REPLICATOR_RUNS" not in os.environ:
+    os.environ["REPLICATOR_RUNS"] = tempfile.mkdtemp(prefix="replicator-test-runs-")
+    atexit.register(shutil.rmtree, os.environ["REPLICATOR_RUNS"], ignore_errors=True)
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +51,8 @@ def test_a_short_benchmark_run_reports_every_arm(tmp_path: Path) -> None:
                "1", "--replay-inserts", "500", "--job-replay-inserts", "300",
                "--replay-batches", "20", "--d4pg-args", d4pg, "--json", str(output)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=140, cwd=ROOT,
-                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "REPLICATOR_THREADS": "1"})
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "REPLICATOR_THREADS": "1",
+                                 "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]})
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(output.read_text())
     for name in ("td3", "ddpg"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,7 @@ def run_example(*args: str, timeout: float = 120) -> subprocess.CompletedProcess
     return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT, env={"PATH": "/usr/bin:/bin", "REPLICATOR_PROGRESS": "0",
                                          "REPLICATOR_THREADS": "1", "REPLICATOR_TIMEOUT": "30",
-                                         "PYTHONPATH": str(ROOT)})
+                                         "PYTHONPATH": str(ROOT), "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]})
 
 
 # Small enough for seconds: 200 warm-up transitions, then a learner step (batch 64) per 2 env steps.
