@@ -161,3 +161,57 @@ def test_precision_is_checked_and_its_state_is_gradscalers() -> None:
     scaler = torch.amp.GradScaler("cpu")
     scaler.load_state_dict(scale.state_dict())  # the same format either way
     assert scaler.get_scale() == 8.0 and scaler.state_dict() == scale.state_dict()
+
+
+def pipeline_layers() -> list[torch.nn.Module]:
+    torch.manual_seed(0)  # every process builds the same whole model; each keeps its stage
+    return [torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)]
+
+
+def pipeline_stage() -> dict[str, Any]:
+    """Two stages of one replica, fp16: each schedule's stages scale their own losses and agree on every skip."""
+    results = {}
+    for schedule in ("1f1b", "zero_bubble"):
+        repl = rp.Replicator(stages=2, chunks=2, schedule=schedule, precision=SCALE)
+        with repl.scope():
+            pipe = repl.pipeline(pipeline_layers(), balance=[2, 3])
+            optimizer = repl.wrap_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9))
+
+        def step_fn(ctx: rp.ReplicaContext, step: int) -> torch.Tensor:
+            x, y = global_batch(step)
+            optimizer.zero_grad()
+            loss = pipe.train_step(x, y, F.cross_entropy)
+            optimizer.step()
+            return loss
+
+        for _ in repl.run(step_fn, list(range(STEPS))):
+            pass
+        results[schedule] = {"stage": repl.stage_id, "params": [p.detach().clone() for p in pipe.parameters()],
+                             "skipped": repl.last_run["skipped_steps"], "scale": repl.last_run["loss_scale"]}
+    return results
+
+
+def test_fp16_pipeline_stages_train_as_one_process_with_grad_scaler() -> None:
+    model = torch.nn.Sequential(*pipeline_layers())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE.init_scale, backoff_factor=SCALE.backoff_factor,
+                                  growth_interval=SCALE.growth_interval)
+    skipped = []
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped += [step] if scaler.get_scale() < before else []
+    stage_params = [list(model[:2].parameters()), list(model[2:].parameters())]
+    for process in run_replicas(pipeline_stage, 2, timeout_s=180):
+        for schedule, got in process.items():
+            assert got["skipped"] == skipped == [0], f"{schedule}: stage {got['stage']} skipped {got['skipped']}"
+            assert got["scale"] == scaler.get_scale()
+            for mine, theirs in zip(got["params"], stage_params[got["stage"]], strict=True):
+                assert torch.allclose(mine, theirs.detach(), atol=ATOL["fp16"], rtol=0), (
+                    f"{schedule}: stage {got['stage']} is off by {(mine - theirs).abs().max():.3g}")
