@@ -8,7 +8,7 @@ import inspect
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,6 @@ from replicator.errors import ReplicatorUsageError
 from replicator.sync.state import GradientState
 
 if TYPE_CHECKING:
-    from replicator.sync.optimizer import SyncedOptimizers
     from replicator.topology import ProcessGroups
 
 __all__ = ["PRECISIONS", "Precision", "LossScale", "MixedPrecision"]
@@ -134,6 +133,18 @@ def check_autocast(device_type: str, dtype: torch.dtype) -> None:
             f"({refusals[0].splitlines()[0]}); use precision={other!r} or 'fp32', or a newer torch")
 
 
+class Optimizers(Protocol):
+    """What MixedPrecision needs of the job's wrapped optimizers (replicator.sync.optimizer.SyncedOptimizers)."""
+
+    state: GradientState
+    loss_scale: LossScale | None
+    skipped_steps: list[int]
+
+    def reopen_reduced(self, factor: float) -> None: ...
+
+    def finalize_completed(self) -> None: ...
+
+
 class MixedPrecision:
     """Applies a Precision to run()'s steps: autocast around every step_fn call and, for fp16, the loss scale.
 
@@ -152,7 +163,7 @@ class MixedPrecision:
     own losses (`scale_losses`).
     """
 
-    def __init__(self, settings: str | Precision, device: torch.device, optimizers: SyncedOptimizers,
+    def __init__(self, settings: str | Precision, device: torch.device, optimizers: Optimizers,
                  groups: ProcessGroups) -> None:
         self.settings = Precision.of(settings)
         self.name = self.settings.name
