@@ -126,8 +126,8 @@ def check_autocast(device_type: str, dtype: torch.dtype) -> None:
         caught = [warnings.WarningMessage(str(error), RuntimeWarning, "", 0)]
     refusals = [str(w.message) for w in caught if "support" in str(w.message)]
     if refusals:
-        name = next(name for name, kind in PRECISIONS.items() if kind == dtype)
-        other = "bf16" if name == "fp16" else "fp16"
+        name = next((name for name, kind in PRECISIONS.items() if kind == dtype), str(dtype))
+        other = "fp16" if name == "bf16" else "bf16"
         raise ReplicatorUsageError(
             f"precision={name!r}: torch {torch.__version__} cannot autocast to {dtype} on {device_type} "
             f"({refusals[0].splitlines()[0]}); use precision={other!r} or 'fp32', or a newer torch")
@@ -157,8 +157,8 @@ class MixedPrecision:
     scaled once. Nested passes (a reentrant checkpoint's recomputation) are left alone, and
     so is torch.autograd.grad, whose results go to no optimizer. The roots take the scale
     divided by the number of replicas and of accumulated micro-steps: each sample's
-    activation gradients are then those of one process on the concatenated batch, which
-    overflows exactly where that process's does. The averaging multiplies by the inverse
+    activation gradients are then bit for bit those of one process on the concatenated batch
+    (sums over samples, the weight gradients, are rounded per replica). The averaging multiplies by the inverse
     (GradientState.grad_scale), so unscaling costs no pass of its own; a pipeline scales its
     own losses (`scale_losses`).
     """

@@ -155,7 +155,13 @@ def test_precision_is_checked_and_its_state_is_gradscalers() -> None:
         rp.Precision.of("fp8")
     with pytest.raises(rp.ReplicatorUsageError, match="backoff_factor"):
         rp.Precision.of(rp.Precision("fp16", backoff_factor=2.0))
-    from replicator.sync.precision import LossScale
+    from replicator.sync.precision import LossScale, check_autocast
+
+    # Where torch cannot autocast to a dtype it only warns and runs in fp32 (CPU fp16 on older releases):
+    # refused instead. float64 takes that path on every release.
+    with pytest.raises(rp.ReplicatorUsageError, match="cannot autocast"):
+        check_autocast("cpu", torch.float64)
+    check_autocast("cpu", torch.float16)  # this torch can
 
     scale = LossScale(rp.Precision("fp16", init_scale=8.0), torch.device("cpu"))
     scaler = torch.amp.GradScaler("cpu")
@@ -168,27 +174,28 @@ def pipeline_layers() -> list[torch.nn.Module]:
     return [torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)]
 
 
+def pipeline_run(schedule: str) -> dict[str, Any]:
+    repl = rp.Replicator(stages=2, chunks=2, schedule=schedule, precision=SCALE)
+    with repl.scope():
+        pipe = repl.pipeline(pipeline_layers(), balance=[2, 3])
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9))
+
+    def step_fn(ctx: rp.ReplicaContext, step: int) -> torch.Tensor:
+        x, y = global_batch(step)
+        optimizer.zero_grad()
+        loss = pipe.train_step(x, y, F.cross_entropy)
+        optimizer.step()
+        return loss
+
+    for _ in repl.run(step_fn, list(range(STEPS))):
+        pass
+    return {"stage": repl.stage_id, "params": [p.detach().clone() for p in pipe.parameters()],
+            "skipped": repl.last_run["skipped_steps"], "scale": repl.last_run["loss_scale"]}
+
+
 def pipeline_stage() -> dict[str, Any]:
     """Two stages of one replica, fp16: each schedule's stages scale their own losses and agree on every skip."""
-    results = {}
-    for schedule in ("1f1b", "zero_bubble"):
-        repl = rp.Replicator(stages=2, chunks=2, schedule=schedule, precision=SCALE)
-        with repl.scope():
-            pipe = repl.pipeline(pipeline_layers(), balance=[2, 3])
-            optimizer = repl.wrap_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9))
-
-        def step_fn(ctx: rp.ReplicaContext, step: int) -> torch.Tensor:
-            x, y = global_batch(step)
-            optimizer.zero_grad()
-            loss = pipe.train_step(x, y, F.cross_entropy)
-            optimizer.step()
-            return loss
-
-        for _ in repl.run(step_fn, list(range(STEPS))):
-            pass
-        results[schedule] = {"stage": repl.stage_id, "params": [p.detach().clone() for p in pipe.parameters()],
-                             "skipped": repl.last_run["skipped_steps"], "scale": repl.last_run["loss_scale"]}
-    return results
+    return {schedule: pipeline_run(schedule) for schedule in ("1f1b", "zero_bubble")}
 
 
 def test_fp16_pipeline_stages_train_as_one_process_with_grad_scaler() -> None:
