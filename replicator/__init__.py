@@ -5,9 +5,11 @@ from replicator.asynchronous import ActorContext, ActorLearnerError, Replay, Rep
 from replicator.context import InputContext, ReplicaContext
 from replicator.errors import NonFiniteError, ReplicaMismatchError, ReplicatorError, ReplicatorUsageError
 from replicator.replicator import Replicator
+from replicator.sync.precision import Precision
 
 __all__ = [
     "Replicator",
+    "Precision",
     "InputContext",
     "ReplicaContext",
     "ReplicatorError",

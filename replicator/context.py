@@ -9,8 +9,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 from torch.utils.data import DistributedSampler
 
+from replicator import evaluation
+from replicator._tree import flatten
 from replicator.comm import all_to_all as _all_to_all
 from replicator.comm import collectives, objects
 from replicator.comm.agreement import Agreement, Verdict, call_site
@@ -174,6 +177,51 @@ class ReplicaContext:
         result = _all_to_all.all_to_all(tensor, send, receive, self.group)
         self.on_wait(time.perf_counter() - started)
         return result
+
+    def evaluation_sampler(self, dataset: Any) -> evaluation.EvaluationSampler:
+        """This replica's contiguous share of `dataset` for evaluation: in order, every sample once, no padding.
+
+        Shares differ by at most one sample (1,797 over 2 replicas: 899 and 898), so the last
+        batches may be uneven: gather_for_metrics takes them as they are. Concatenated in
+        replica order the shares are the dataset.
+        """
+        return evaluation.EvaluationSampler(dataset, self.num_replicas, self.replica_id)
+
+    def gather_for_metrics(self, values: Any, sampler: Any = None) -> Any:
+        """Every replica's evaluation `values`, whole: each sample once, in dataset order, on every replica.
+
+        `values`: a tensor, or a dict/list/tuple of tensors, whose dimension 0 runs over this
+        replica's samples (predictions, labels, per-sample losses): concatenate the batches and
+        gather once. With samples from `evaluation_sampler` (shares in order, no padding) the
+        replicas' rows concatenated are the dataset's. With any other sampler pass it (or the
+        DataLoader) as `sampler`: the rows are matched to its dataset indices, put in dataset
+        order, and a sample it repeated to even the replicas out (DistributedSampler's padding)
+        is kept once. Dimension 0 may differ between replicas.
+        """
+        leaves, spec = flatten(values)
+        if not leaves or not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            raise ReplicatorUsageError(
+                f"ctx.gather_for_metrics takes a tensor or a dict/list/tuple of tensors, got {type(values).__name__} "
+                f"(replica {self.replica_id}, {call_site()}); numbers and strings go through ctx.all_gather_object")
+        columns = [leaf.reshape(1) if leaf.dim() == 0 else leaf for leaf in leaves]
+        rows = {int(column.shape[0]) for column in columns}
+        indices = None if sampler is None else torch.tensor(evaluation.sampler_indices(sampler), dtype=torch.int64,
+                                                            device=columns[0].device)
+        wrong = len(rows) > 1 or (indices is not None and {len(indices)} != rows)
+        # Agreed first, so that a replica whose values do not fit raises on every replica instead of one.
+        verdict = self._agree("gather_for_metrics", torch.empty(0), detail=f" leaves={len(columns)}",
+                              values=[int(wrong)], any_length=True)
+        if wrong or (verdict is not None and verdict.maxima[0]):
+            mine = (f"its values have {sorted(rows)} rows" + (f" for the {len(indices)} indices its sampler gives"
+                                                               if indices is not None else ""))
+            raise ReplicatorUsageError(
+                f"ctx.gather_for_metrics at {call_site()} got values that do not match their samples on some replica "
+                f"(on replica {self.replica_id} {mine}; raised on every replica): concatenate every batch's "
+                "values (torch.cat) and gather once after the evaluation loop, with the sampler that gave them")
+        gathered = [self.all_gather(column) for column in columns]
+        if indices is not None:
+            gathered = evaluation.in_dataset_order(gathered, self.all_gather(indices))
+        return pytree.tree_unflatten(gathered, spec)
 
     def all_gather_object(self, value: Any) -> list[Any]:
         """Every replica's `value` (a config, metrics, a string), in replica order.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import time
 from collections import deque
@@ -96,6 +97,14 @@ class CollectiveInputs:
         return [name for name, finite in self._steps.get(step, []) if not bool(finite)]
 
 
+class Precision(Protocol):
+    """What the loop asks of the job's precision (replicator.sync.precision.MixedPrecision)."""
+
+    def begin_run(self) -> None: ...
+
+    def step(self) -> contextlib.AbstractContextManager[None]: ...
+
+
 class StepLoop:
     """Runs `step_fn` on this replica's batches until `steps` or until some replica's input runs out.
 
@@ -105,8 +114,10 @@ class StepLoop:
     `GradientState.count_samples`) and NaN outputs raise on every replica.
     """
 
-    def __init__(self, agreement: Agreement, context: ReplicaContext, state: GradientState, nonfinite: str) -> None:
+    def __init__(self, agreement: Agreement, context: ReplicaContext, state: GradientState, nonfinite: str,
+                 precision: Precision | None = None) -> None:
         self.agreement = agreement
+        self.precision = precision  # autocast (and fp16's loss scale) around every step_fn call
         self.context = context
         self.state = state
         self.nonfinite = nonfinite
@@ -126,6 +137,8 @@ class StepLoop:
             observers: list[Observer]) -> Generator[tuple[int, Any], None, RunOutcome]:
         """Yield `(step, output)` per step; return the RunOutcome (use `yield from`)."""
         step = self.state.step
+        if self.precision is not None:
+            self.precision.begin_run()
         if self.nonfinite == "raise" and self.num_replicas > 1:
             self.context.on_collective = self._collective_inputs.record
         outcome = RunOutcome()
@@ -166,7 +179,8 @@ class StepLoop:
                 # Inside a step whose replicas hold unequal counts, ctx.all_mean weighs each by its count.
                 self.context.sample_share = size / total if uneven and self.state.count_samples else None
                 try:
-                    output = step_fn(self.context, batch)
+                    with self.precision.step() if self.precision is not None else contextlib.nullcontext():
+                        output = step_fn(self.context, batch)
                 finally:
                     self.state.end_step()
                     self.context.sample_share = None

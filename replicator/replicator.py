@@ -29,6 +29,7 @@ from replicator.sync.broadcast import broadcast_state
 from replicator.sync.buffers import average_buffers
 from replicator.sync.guard import ReplicaGuard
 from replicator.sync.optimizer import SyncedOptimizers
+from replicator.sync.precision import MixedPrecision, Precision
 from replicator.sync.reducers import Reducer, make_reducer
 from replicator.telemetry import Progress, StepTimes, summarize_run
 
@@ -58,6 +59,8 @@ class Replicator:
             stops every replica with an error naming the replicas and the step; "skip" also checks the averaged
             gradients before every update and skips that update on every replica (one extra read of the gradients
             per step); "ignore" checks nothing.
+        precision: "fp32" (default), "bf16" or "fp16": step_fn runs under torch.autocast; fp16 adds a loss scale
+            whose overflow skips agree across replicas (rp.Precision tunes it; docs/how-to/mixed-precision.md).
         uneven_batches: "refuse" (default: unequal batch sizes raise), "weighted" (gradients and ctx.all_mean weigh
             by batch size) or batch -> count (tokens); sparse_as_dense: densify sparse gradients (Horovod's).
         stages, chunks, schedule, recompute: pipeline model parallelism (GPipe). The job's processes form
@@ -77,6 +80,7 @@ class Replicator:
         schedule: str = "gpipe", recompute: str = "except_last", virtual_stages: int = 1,
         reducer: str | Reducer = "auto", bucket_cap_mb: float = 25.0,
         timeout_s: float | None = None, debug: bool | None = None, nonfinite: str = "raise",
+        precision: str | Precision = "fp32",
         uneven_batches: str | Callable[[Any], int] = "refuse", sparse_as_dense: bool = False,
         checkpoint: str | None = None, mode: str = "sync", sync_group_size: int = 1,
         outer_every: int | None = None, outer_optimizer: OuterOptimizer | None = None,
@@ -87,6 +91,7 @@ class Replicator:
         if stages < 1 or chunks < 1:
             raise ReplicatorUsageError(f"stages and chunks must be at least 1, got stages={stages}, chunks={chunks}")
         check_nonfinite_policy(nonfinite)
+        precision = Precision.of(precision)  # refused before the job starts
         settings = AsyncSettings.of(mode, parameter_servers, sync_group_size, max_staleness, stages)
         roles = Roles.of(mode, actors, evaluator, stages)  # actor_learner's learners, actors and evaluator
         self.job = job = Job.start(stages=stages, timeout_s=timeout_s, debug=debug,  # DiLoCo regroups on its own
@@ -111,7 +116,8 @@ class Replicator:
             reducer=self.reducer, bucket_cap_bytes=int(bucket_cap_mb * (1 << 20)), nonfinite=nonfinite,
             debug=job.debug, is_main=self.is_main,
         )
-        self.skipped_steps = self.optimizers.skipped_steps  # steps whose update nonfinite="skip" dropped
+        self.precision = MixedPrecision(precision, self.device, self.optimizers, synced)  # autocast, fp16's scale
+        self.skipped_steps = self.optimizers.skipped_steps  # steps whose update nonfinite="skip" or fp16 dropped
         self.optimizers.state.configure(uneven_batches, sparse_as_dense, models.modules)
         self.guard = ReplicaGuard(job.replica_agreement, self.optimizers, self._trained_modules, models.tensor_names,
                                   optimizer_state=self.diloco is None)  # DiLoCo's groups keep their inner state
@@ -197,7 +203,7 @@ class Replicator:
         """
         from replicator.pipeline import build_pipeline, job_hooks
 
-        hooks = job_hooks(self.no_sync, self.optimizers, self.job.agreement, self.job.mesh)
+        hooks = job_hooks(self.no_sync, self.optimizers, self.job.agreement, self.job.mesh, self.precision.scale_losses)
         stage = build_pipeline(
             layers, stage_id=self.stage_id, num_stages=self.num_stages, balance=balance,
             stage_ranks=self.groups.stage_ranks, stage_group=self.groups.stage, chunks=self.chunks,
@@ -286,12 +292,12 @@ class Replicator:
             observers.insert(0, self.diloco.begin(self.optimizers, times.add_after_step, checkpoint_every))
         if checkpoint_every and checkpoint_dir is not None:
             observers.append(Checkpointer(checkpoint_every, functools.partial(self._save_step, checkpoint_dir, keep)))
-        loop = StepLoop(self.job.agreement, self.context, self.optimizers.state, self.nonfinite)
+        loop = StepLoop(self.job.agreement, self.context, self.optimizers.state, self.nonfinite, self.precision)
         outcome = yield from loop.run(step_fn, self._input.begin(inputs, epochs, steps), steps, observers)
         figures = self.diloco.finish(self.reducer, self.optimizers, show) if self.diloco is not None else {}
         self.sync_buffers()
         self.guard.require_identical("at the end of run()")
-        figures |= self.regime.finish(times, show)  # async: every group done, the final parameters in place
+        figures |= self.regime.finish(times, show) | self.precision.figures()  # async: every group done; skipped steps
         table = show and not self.regime.prints_report  # async: every group's report and table, from finish()
         self.last_run = summarize_run(self.job.agreement, times, outcome.steps, outcome.ended_early, table) | figures
         self.last_run = self.record.finish(self.last_run)  # with run_dir; into summary.json
@@ -337,7 +343,7 @@ class Replicator:
 
         objects = training_objects([stage.module for stage in self._stages], self.models.modules,
                                    [w.optimizer for w in self.optimizers.wrapped], list(self.optimizers.schedulers),
-                                   self.job.mesh, self.groups.control)
+                                   self.job.mesh, self.groups.control, self.precision.states())
         return self.diloco.checkpoint_objects(objects, self.optimizers, restoring) if self.diloco else objects
 
     def _trained_modules(self) -> list[torch.nn.Module]:

@@ -232,7 +232,7 @@ def plan_schedulers(
     if len(saved) != len(schedulers):
         raise CheckpointMismatchError(
             f"checkpoint does not match the model: it holds {len(saved)} LR scheduler(s) for stage {source} but "
-            f"{len(schedulers)} were given to restore"
+            f"{len(schedulers)} were given to restore (precision='fp16' keeps its loss scale as one more, after them)"
         )
     for index, (scheduler, state) in enumerate(zip(schedulers, saved)):
         # The class is not recorded, but the state's keys are the class's attributes.

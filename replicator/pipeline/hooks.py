@@ -36,6 +36,9 @@ class StageHooks:
     agree_on_outcome: Callable[[str | None], Sequence[Outcome]] | None = None
     release_gradients: Callable[[], None] | None = None  # after every replica succeeded
     abandon_gradients: Callable[[], None] | None = None  # after a failure anywhere, on every replica
+    # fp16: entered around a training step; what it yields multiplies the losses by the loss scale before their
+    # backward (a stage's other backward passes start from gradients received already scaled).
+    scale_losses: Callable[[], AbstractContextManager[Callable[[torch.Tensor], torch.Tensor]]] | None = None
 
 
 class HoldsGradients(Protocol):
@@ -49,15 +52,16 @@ class HoldsGradients(Protocol):
 
 
 def job_hooks(no_sync: Callable[[], AbstractContextManager[Any]], optimizers: HoldsGradients, agreement: Agreement,
-              mesh: Mesh) -> StageHooks:
+              mesh: Mesh, scale_losses: Callable[[], AbstractContextManager[Callable[[torch.Tensor], torch.Tensor]]]
+              | None = None) -> StageHooks:
     """The hooks the Replicator gives its stage: with replicas, gradient averaging waits for every step's outcome.
 
     A step that fails on one replica fails on all; each then drops the averaging its step
     left pending, so that the next step starts from the same place everywhere.
     """
     if mesh.num_replicas == 1:
-        return StageHooks(no_sync=no_sync)
-    return StageHooks(no_sync=no_sync, hold_gradients=optimizers.hold_gradients,
+        return StageHooks(no_sync=no_sync, scale_losses=scale_losses)
+    return StageHooks(no_sync=no_sync, scale_losses=scale_losses, hold_gradients=optimizers.hold_gradients,
                       agree_on_outcome=functools.partial(gather_outcomes, agreement, mesh.replica_id, mesh.stage_id),
                       release_gradients=optimizers.release_gradients,
                       abandon_gradients=optimizers.abandon_gradients)

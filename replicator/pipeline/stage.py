@@ -160,6 +160,7 @@ class PipelineStage:
         self.replica = replica
         self.timeline = Timeline(stage_id, replica, enabled=record)
         self.hooks = with_no_sync(hooks, no_sync)
+        self._scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None  # set during an fp16 training step
         actions = self.schedule.stages[stage_id]
         # The last pass that accumulates weight gradients: the gradient synchronizer averages after it.
         self._last_update = max(n for n, a in enumerate(actions) if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT))
@@ -230,8 +231,10 @@ class PipelineStage:
         replica every replica drops the step's gradient averaging and raises the same
         PipelineError, so the replicas stay identical.
         """
-        return around_training_step(
-            self.hooks, lambda: self._run_training_step(inputs, targets, loss_fn, reduction, normalizer))
+        scaling = self.hooks.scale_losses() if self.hooks.scale_losses is not None else contextlib.nullcontext(None)
+        with scaling as self._scale_loss:  # fp16: the losses' backward starts from the loss scale
+            return around_training_step(
+                self.hooks, lambda: self._run_training_step(inputs, targets, loss_fn, reduction, normalizer))
 
     def _run_training_step(self, inputs: Any, targets: Any, loss_fn: LossFn | None, reduction: str,
                            normalizer: float | torch.Tensor | None) -> torch.Tensor:
@@ -418,7 +421,8 @@ class PipelineStage:
             step.weight_passes.pop(slot).run()
             return
         if self._holds_last_piece(action.chunk):
-            outputs, grads = [step.losses.pop(slot)], None
+            loss = step.losses.pop(slot)
+            outputs, grads = [self._scale_loss(loss) if self._scale_loss is not None else loss], None
         else:
             output, received = step.outputs.pop(slot), step.grads_in.pop(slot)
             _, sent = p2p.encode_structure(output)  # the order the wire carried them, the order of the gradients

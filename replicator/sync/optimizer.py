@@ -8,7 +8,7 @@ import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,9 @@ from replicator.nn.spectral import spectral_normed
 from replicator.sync.reducers import Reducer
 from replicator.sync.state import GradientState, UpdateCount
 from replicator.sync.synchronizer import GradientSynchronizer
+
+if TYPE_CHECKING:
+    from replicator.sync.precision import LossScale
 
 __all__ = ["SyncedOptimizers", "WrappedOptimizer"]
 
@@ -60,7 +63,9 @@ class SyncedOptimizers:
         self.wrapped: list[WrappedOptimizer] = []
         self.owner: dict[int, WrappedOptimizer] = {}
         self.schedulers: list[Any] = []
-        self.skipped_steps: list[int] = []  # steps whose update nonfinite="skip" dropped
+        self.skipped_steps: list[int] = []  # steps whose update nonfinite="skip" or fp16's loss scale dropped
+        # fp16 (replicator.sync.precision): judges every update's averaged gradients, and skips it where not finite.
+        self.loss_scale: LossScale | None = None
         self._warned_spectral = False  # accumulation with spectral norm is said once
         self._no_sync_checked = False
         # Who applies an update instead of the optimizer itself, given the optimizer's index (the
@@ -126,8 +131,7 @@ class SyncedOptimizers:
                 return None
             if closure is None:
                 synchronizer.finalize()
-                if self.nonfinite == "skip" and not synchronizer.gradients_finite():
-                    self._skip_update(wrapped)
+                if (self.nonfinite == "skip" or self.loss_scale is not None) and not self._goes_ahead(wrapped):
                     return None
                 if self.update is None:
                     result = original_step()
@@ -137,9 +141,10 @@ class SyncedOptimizers:
                 if self.update is not None:
                     raise ReplicatorUsageError("mode='async' cannot run an optimizer step with a closure: parameter "
                                                "servers apply updates and cannot call it")
-                if state.accumulation != 1:
+                if state.accumulation != 1 or self.loss_scale is not None:
                     raise ReplicatorUsageError(
-                        "optimizers that take a closure (LBFGS) cannot be combined with accumulate()")
+                        "optimizers that take a closure (LBFGS) cannot be combined with accumulate() or "
+                        "precision='fp16', whose loss scale needs one verdict per update (use 'bf16')")
                 result = original_step(self._synchronized_closure(synchronizer, closure))
             synchronizer.end_window()
             count.stepped = True
@@ -207,15 +212,28 @@ class SyncedOptimizers:
 
         return synchronized
 
-    def _skip_update(self, wrapped: WrappedOptimizer) -> None:
-        """Drop this update on every replica: the averaged gradients, hence the verdict, are the same everywhere."""
+    def _goes_ahead(self, wrapped: WrappedOptimizer) -> bool:
+        """Are the averaged gradients finite (fp16: on every stage, and noted for the loss scale)? Else skip."""
+        finite = wrapped.synchronizer.gradients_finite()
+        if self.loss_scale is not None:
+            finite = self.loss_scale.record(finite)
+        if not finite:
+            self._skip_update(wrapped, overflow=self.loss_scale is not None)
+        return finite
+
+    def _skip_update(self, wrapped: WrappedOptimizer, overflow: bool = False) -> None:
+        """Drop this update on every replica: the averaged gradients, hence the verdict, are the same everywhere.
+
+        An fp16 overflow (`overflow`) is the loss scale's business, as quiet as torch.amp.GradScaler's skips:
+        repl.last_run lists them.
+        """
         for group in wrapped.optimizer.param_groups:
             for param in group["params"]:
                 param.grad = None
         wrapped.synchronizer.end_window()
         if self.state.step not in self.skipped_steps:
             self.skipped_steps.append(self.state.step)
-        if self.is_main:
+        if self.is_main and not overflow:
             print(f"replicator: step {self.state.step}: the averaged gradients of {wrapped.synchronizer.label} are "
                   "NaN or infinite; its update was skipped on every replica (nonfinite='skip')", flush=True)
 
@@ -289,8 +307,9 @@ class SyncedOptimizers:
         if shards is not None:
             norm = _norm_of_shards(norm, norm_type, shards)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        # The norm of averaged gradients is the same on every replica: so is this verdict.
-        if self.nonfinite == "raise" and not bool(torch.isfinite(norm)):
+        # The norm of averaged gradients is the same on every replica: so is this verdict. Under fp16 an
+        # overflow is the loss scale's to handle: step() skips the update and lowers the scale.
+        if self.nonfinite == "raise" and self.loss_scale is None and not bool(torch.isfinite(norm)):
             raise NonFiniteError(
                 f"the averaged gradients' norm is {float(norm)} at step {self.state.step} (raised on replica "
                 f"{self.context.replica_id}); some replica's loss or gradient overflowed or became NaN. Lower the "
@@ -318,6 +337,18 @@ class SyncedOptimizers:
         """Drop the averaging a failed pipeline step left pending, alike on every replica (all call it)."""
         for wrapped in self.wrapped:
             wrapped.synchronizer.abandon()
+
+    def reopen_reduced(self, factor: float) -> None:
+        """A backward pass starts: gradients already averaged in this window go back to the loss scale's units."""
+        for wrapped in self.wrapped:
+            wrapped.synchronizer.reopen(factor)
+
+    def finalize_completed(self) -> None:
+        """Average now the gradients of every optimizer whose update this backward pass completed (one replica: as
+        the replicas' averaging does at the end of backward, so code before step() sees the final gradients)."""
+        for wrapped in self.wrapped:
+            if self.state.completes_update(wrapped.count):
+                wrapped.synchronizer.finalize()
 
     def set_on_wait(self, on_wait: Callable[[float], None]) -> None:
         """Report seconds blocked in gradient reductions to `on_wait` (the run's step timing)."""

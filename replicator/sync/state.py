@@ -52,6 +52,9 @@ class GradientState:
     sparse_as_dense: bool = False
     in_run: bool = False
     in_step: bool = False
+    # What this step's gradients arrive multiplied by (fp16's loss scale over the replicas and micro-steps,
+    # replicator.sync.precision): the averaging divides it out. 1 outside run()'s steps.
+    grad_scale: float = 1.0
     # The modules built in repl.scope(): outside run(), their train/eval mode decides whether a
     # backward pass communicates. The scope extends this very list.
     modules: list[torch.nn.Module] = field(default_factory=list)

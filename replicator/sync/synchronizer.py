@@ -244,11 +244,12 @@ class GradientSynchronizer:
 
         Weighted (uneven batches): this replica's samples of the update's first micro-step over
         all samples of the update; `_weigh` already scaled later micro-steps relative to the first.
+        Divided by `grad_scale` too: fp16's loss scale comes out here, in the same pass.
         """
         samples = self.state.samples_since(self._update_start)
         if not samples or not samples[0][0]:  # an empty batch on one replica: its loss is NaN anyway
-            return 1.0 / (self.size * self.state.accumulation)
-        return samples[0][0] / sum(everyone for _, everyone in samples)
+            return 1.0 / (self.size * self.state.accumulation * self.state.grad_scale)
+        return samples[0][0] / (sum(everyone for _, everyone in samples) * self.state.grad_scale)
 
     def _gather_sparse_of_known_modules(self) -> None:
         """Mark the parameters whose sparse gradients are gathered: sparse embeddings built in repl.scope()."""
@@ -331,6 +332,17 @@ class GradientSynchronizer:
             sparse = [p.grad._values() for p in self.params if p.grad is not None and p.grad.is_sparse]
             return finite_sum([*(bucket.buffer[: bucket.numel] for bucket in self.buckets), *sparse])
         return finite_sum(p.grad._values() if p.grad.is_sparse else p.grad for p in self.params if p.grad is not None)
+
+    def reopen(self, factor: float) -> None:
+        """A backward pass starts in a window already averaged: scale the averages by `factor` (fp16's, see
+        GradientState.grad_scale) and reduce afresh, so that they add up with the new pass's scaled gradients."""
+        if not self._reduced:
+            return
+        with torch.no_grad():
+            for param in self.params:
+                if param.grad is not None:
+                    param.grad.mul_(factor)  # in place: a view of its bucket, which the next round reloads
+        self._start_round()
 
     def end_window(self, discard: bool = False) -> None:
         """Close the window after `step` (or `zero_grad`, which discards its reductions).
