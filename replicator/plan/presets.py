@@ -72,7 +72,7 @@ PCIE3_X16 = Hardware(15.75e9, "PCIe 3.0 x16: 8 GT/s × 16 lanes × 128/130 = 15.
 INFINIBAND_EDR = Hardware(100e9 / 8, "InfiniBand EDR: 100 Gbit/s = 12.5 GB/s per direction")
 ROCE_25G = Hardware(25e9 / 8, "25 Gbit/s Ethernet (RoCE): 3.125 GB/s per direction")
 
-# Global assumptions: one value for every case, not tuned per case (docs/scaling.md).
+# Global assumptions: one value for every case, not tuned per case (docs/concepts/scaling.md).
 # Achieved / peak FLOP/s for convolutional networks in fp32 on Pascal GPUs.
 COMPUTE_EFFICIENCY = 0.5
 # Seconds per message step inside a node and across the network, software included.
@@ -169,7 +169,7 @@ def _si(value: float, unit: str) -> str:
 
 
 def inputs_table() -> str:
-    """The inputs of every published case as a Markdown table (docs/scaling.md quotes it verbatim)."""
+    """The inputs of every published case as a Markdown table (docs/concepts/scaling.md quotes it verbatim)."""
     lines = [
         "| case | model (params, fwd FLOPs/sample) | GPUs | GPUs/node | GPU peak fp32 | intra-node | network port | "
         "batch/GPU | gradient | reducer | bucket |",
@@ -187,7 +187,8 @@ def inputs_table() -> str:
 
 
 def reproduction_table() -> str:
-    """Predicted against published scaling efficiency as a Markdown table (docs/scaling.md quotes it verbatim)."""
+    """Predicted against published scaling efficiency as a Markdown table (docs/concepts/scaling.md quotes it
+    verbatim)."""
     lines = [
         "| case | system | GPUs | predicted step | compute | exposed comm. | predicted | published | difference |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -216,7 +217,7 @@ _VARIATIONS: tuple[tuple[str, dict[str, float]], ...] = (
 
 
 def sensitivity_table() -> str:
-    """Predicted efficiency of every case as each assumption moves (docs/scaling.md quotes it verbatim)."""
+    """Predicted efficiency of every case as each assumption moves (docs/concepts/scaling.md quotes it verbatim)."""
     lines = [
         "| assumption | " + " | ".join(case.key for case in PUBLISHED_CASES) + " |",
         "| --- |" + " --- |" * len(PUBLISHED_CASES),

@@ -170,7 +170,7 @@ def test_overlap_moves_exposed_communication_between_ideal_and_serial() -> None:
 
 
 
-# --- (b) the published results, from the inputs docs/scaling.md quotes -----------------------
+# --- (b) the published results, from the inputs docs/concepts/scaling.md quotes -----------------------
 
 
 @pytest.mark.parametrize("case", presets.PUBLISHED_CASES, ids=lambda case: case.key)
@@ -181,9 +181,9 @@ def test_published_scaling_efficiency_is_reproduced_within_5_points(case: preset
 
 
 def test_docs_quote_the_inputs_and_predictions_from_the_code() -> None:
-    doc = (ROOT / "docs" / "scaling.md").read_text()
-    assert presets.inputs_table() in doc, "docs/scaling.md: refresh the inputs table from presets.inputs_table()"
-    assert presets.reproduction_table() in doc, "docs/scaling.md: refresh the table from presets.reproduction_table()"
+    doc = (ROOT / "docs" / "concepts" / "scaling.md").read_text()
+    assert presets.inputs_table() in doc, "docs/concepts/scaling.md: refresh the inputs table from inputs_table()"
+    assert presets.reproduction_table() in doc, "docs/concepts/scaling.md: refresh the table from reproduction_table()"
 
 
 def test_published_cases_use_one_global_set_of_assumptions() -> None:
