@@ -246,7 +246,7 @@ def _anchors(path: Path) -> set[str]:
         if FENCE.match(line):
             fenced = not fenced
         elif not fenced and (heading := re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)):
-            anchors.add(slugify(re.sub(r"[`*_]", "", heading[1]), "-"))
+            anchors.add(slugify(re.sub(r"[`*]", "", heading[1]), "-"))
     return anchors
 
 
@@ -314,3 +314,27 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
                            env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     warnings = [line for line in built.stderr.splitlines() if "WARNING" in line or "ERROR" in line]
     assert built.returncode == 0, "mkdocs build --strict failed:\n" + "\n".join(warnings or [built.stderr[-3000:]])
+
+
+def test_the_command_line_reference_names_every_option_and_variable() -> None:
+    """docs/reference/cli.md keeps up with the parsers and with replicator/_env.py."""
+    import argparse
+
+    from replicator import _env
+    from replicator.cli import build_parser
+
+    page = (DOCS / "reference" / "cli.md").read_text()
+    missing = []
+    subcommands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in subcommands.choices.items():
+        if f"`replicator {name}`" not in page:
+            missing.append(f"a section on `replicator {name}`")
+        for action in parser._actions:
+            if action.option_strings and "--help" not in action.option_strings:
+                option = max(action.option_strings, key=len)
+                if f"`{option}" not in page and f", `{option}" not in page:
+                    missing.append(f"replicator {name} {option}")
+    variables = [value for key, value in vars(_env).items()
+                 if key.isupper() and isinstance(value, str) and value.startswith("REPLICATOR_")]
+    missing += [variable for variable in variables if f"`{variable}`" not in page]
+    assert not missing, "docs/reference/cli.md does not mention: " + ", ".join(missing)
