@@ -78,7 +78,8 @@ def blocks_of(path: Path) -> tuple[list[Block], list[str]]:
     while index < len(lines):
         match = FENCE.match(lines[index])
         marker = MARKER.match(lines[index])
-        if marker and not (index + 1 < len(lines) and (nxt := FENCE.match(lines[index + 1])) and nxt["info"] == "python"):
+        following = FENCE.match(lines[index + 1]) if index + 1 < len(lines) else None
+        if marker and not (following and following["info"] == "python"):
             stray.append(f"{page}:{index + 1}: a docs-test marker must stand on the line just before a ```python fence")
         if not match:
             index += 1
@@ -148,12 +149,12 @@ def _run_alone(workdir: Path) -> tuple[int | None, str]:
     process = context.Process(target=runpy.run_path, args=(str(wrapper),), kwargs={"run_name": "__main__"})
     process.start()
     process.join(BLOCK_TIMEOUT_S)
-    if process.is_alive():
+    finished = not process.is_alive()
+    if not finished:
         process.kill()
         process.join()
-        return None, (workdir / "output.txt").read_text(errors="replace")
     output = workdir / "output.txt"
-    return process.exitcode, output.read_text(errors="replace") if output.exists() else ""
+    return process.exitcode if finished else None, output.read_text(errors="replace") if output.exists() else ""
 
 
 def _run_launched(workdir: Path, processes: int) -> tuple[int | None, str]:
