@@ -19,7 +19,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check replicator tests benchmarks scripts examples
 	$(BIN)/mypy replicator
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict  # not --quiet: it also silences --strict
 	$(BIN)/python -m pytest -q tests
 
 # The documentation site, from docs/ into site/ (warnings are errors); `$(BIN)/mkdocs serve` to browse it.
