@@ -122,11 +122,23 @@ STRAY_MARKERS = [problem for _, stray in PARSED for problem in stray]
 
 # What a block's process sees: one thread (the machine is shared), no display for matplotlib.
 BLOCK_ENV = {"REPLICATOR_THREADS": "1", "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+# What it must not inherit: a launcher's or Slurm's place in a job (a test suite run under srun, a variable
+# a test left behind) would make a one-process block join a job, and REPLICATOR_* settings change its output.
+FOREIGN = ("REPLICATOR_", "SLURM_", "TORCHELASTIC_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+           "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _block_environment(environ: dict[str, str]) -> dict[str, str]:
+    """`environ` without a job's variables, plus BLOCK_ENV."""
+    return {**{key: value for key, value in environ.items() if not key.startswith(FOREIGN)}, **BLOCK_ENV}
+
 
 # Runs inside the forked process: what `python prog.py` would set up, with stdout and stderr to a file.
 WRAPPER = """\
 import os, sys
 os.chdir({workdir!r})
+for key in [key for key in os.environ if key.startswith({foreign!r})]:
+    del os.environ[key]
 os.environ.update({env!r})
 out = os.open("output.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 os.dup2(out, 1)
@@ -145,7 +157,7 @@ def _run_alone(workdir: Path) -> tuple[int | None, str]:
     # (2-3 s a process); whichever asks first in a session starts the one server.
     context.set_forkserver_preload(["torch", "replicator", "torch._dynamo"])
     wrapper = workdir / "_docs_test_wrapper.py"
-    wrapper.write_text(WRAPPER.format(workdir=str(workdir), env=BLOCK_ENV))
+    wrapper.write_text(WRAPPER.format(workdir=str(workdir), foreign=FOREIGN, env=BLOCK_ENV))
     process = context.Process(target=runpy.run_path, args=(str(wrapper),), kwargs={"run_name": "__main__"})
     process.start()
     process.join(BLOCK_TIMEOUT_S)
@@ -160,7 +172,8 @@ def _run_alone(workdir: Path) -> tuple[int | None, str]:
 def _run_launched(workdir: Path, processes: int) -> tuple[int | None, str]:
     """`replicator launch -n N prog.py` in `workdir`, through the real launcher."""
     command = [sys.executable, "-m", "replicator.cli", "launch", "-n", str(processes), "--threads", "1", "prog.py"]
-    env = {**os.environ, **BLOCK_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**_block_environment(dict(os.environ)),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     try:
         done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
     except subprocess.TimeoutExpired as expired:
