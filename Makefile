@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test docs bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,10 +19,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check replicator tests benchmarks scripts examples
 	$(BIN)/mypy replicator
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict  # not --quiet: it also silences --strict
 	$(BIN)/python -m pytest -q tests
+
+# The documentation site, from docs/ into site/ (warnings are errors); `$(BIN)/mkdocs serve` to browse it.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/data_parallel.py
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info site

@@ -9,7 +9,7 @@
 D4PG is DDPG with four changes: the critic predicts a *distribution* of returns (51 atoms
 on a fixed support, trained with a cross-entropy against the projected Bellman target),
 N-step returns, many actors feeding one replay, and (optionally) prioritized replay. It runs
-on replicator's actor-learner regime (docs/asynchronous.md), one process per role: actors
+on replicator's actor-learner regime (docs/concepts/asynchronous.md), one process per role: actors
 step an environment with the policy plus Gaussian noise and `actor.add()` each step (the
 library assembles N-step transitions, sends them to a learner's replay shard, holds the
 actors back when they run ahead of the samples-per-insert rate limiter, and pulls the

@@ -63,14 +63,16 @@ class Replicator:
             whose overflow skips agree across replicas (rp.Precision tunes it; docs/how-to/mixed-precision.md).
         uneven_batches: "refuse" (default: unequal batch sizes raise), "weighted" (gradients and ctx.all_mean weigh
             by batch size) or batch -> count (tokens); sparse_as_dense: densify sparse gradients (Horovod's).
-        stages, chunks, schedule, recompute: pipeline model parallelism (GPipe). The job's processes form
-            replicas × stages; `repl.pipeline(layers)` returns this process's stage, which splits each batch into
-            `chunks` micro-batches and runs `schedule` ("gpipe", "1f1b", "interleaved" or "zero_bubble"),
-            re-materializing activations per `recompute` ("always", "except_last" or "never"). `checkpoint=` is its
-            old, deprecated name. `virtual_stages=V` gives each stage V model chunks (interleaved: V >= 2).
+        stages: pipeline model parallelism (GPipe): the job's processes form replicas × stages, and
+            `repl.pipeline(layers)` returns this process's stage. `virtual_stages=V`: V model chunks per stage.
+        chunks: the micro-batches each batch is split into on its way through the stages.
+        schedule: "gpipe", "1f1b", "interleaved" (needs virtual_stages >= 2) or "zero_bubble".
+        recompute: which stages re-materialize activations: "always", "except_last" or "never" (`checkpoint=` is
+            its old, deprecated name).
         mode: "sync" (default); "diloco" (sync groups of G train apart for `outer_every` steps, then `outer_optimizer`
             applies their mean pseudo-gradient); "async" (the last `parameter_servers` processes serve, groups of G
-            push and pull at most `max_staleness` behind); "actor_learner" (actors, evaluator): docs/asynchronous.md.
+            push and pull at most `max_staleness` behind); "actor_learner" (actors, evaluator). See
+            docs/concepts/asynchronous.md.
     """
 
     def __init__(

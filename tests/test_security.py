@@ -7,8 +7,8 @@ metadata and in one of its tensor entries, show that plain unpickling does run i
 that replicator refuses both and runs neither. A symlink planted under a shared-memory
 segment's name must not be followed. The last tests ask torch's own rendezvous code what
 `replicator launch` on one machine would listen on. Known gaps are strict expected failures:
-they start failing once fixed, so the marker and docs/reliability.md get updated. See
-docs/reliability.md, Security.
+they start failing once fixed, so the marker and docs/concepts/reliability.md get updated. See
+docs/concepts/reliability.md, Security.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The actor–learner regime as the facade sees it: learners train on the replay, actors and the evaluator run actor_fn.
 
-See docs/asynchronous.md. On a learner, `repl.run(step_fn, repl.prepare_input(replay), steps=N)`
+See docs/concepts/asynchronous.md. On a learner, `repl.run(step_fn, repl.prepare_input(replay), steps=N)`
 is the synchronous loop over the learners, fed by this learner's replay shard; a service thread
 meanwhile receives the actors' transitions and answers their weight pulls. On an actor or the
 evaluator, run() calls `actor_fn(actor)` once with an rp.ActorContext and yields nothing.

@@ -60,7 +60,7 @@ class Regime:
 
 
 class AsyncRegime(Regime):
-    """Parameter servers and sync groups over one job (see docs/asynchronous.md).
+    """Parameter servers and sync groups over one job (see docs/concepts/asynchronous.md).
 
     On a server, `repl.run(...)` serves until every group has finished or left, yields no
     step, and returns with the whole final model in place; `prepare_input` there reads no data.

@@ -35,16 +35,19 @@ class Replay:
         capacity: items held job-wide (split evenly over the learners' shards); the oldest go first.
         batch_size: the global batch per learner step; each of L learners samples batch_size / L
             from its own shard.
-        samples_per_insert, tolerance: the rate limiter. Learners wait when sampling would run ahead
-            of `samples_per_insert` × items inserted, actors wait when they run ahead of the learners;
-            the band allows ± tolerance × samples_per_insert × min_size (Acme's D4PG recipe).
-            `samples_per_insert=None`: no ratio, only min_size.
+        samples_per_insert: the rate limiter's ratio. Learners wait when sampling would run ahead
+            of `samples_per_insert` × items inserted, actors wait when they run ahead of the learners.
+            None: no ratio, only min_size.
+        tolerance: the rate limiter's band: ± tolerance × samples_per_insert × min_size (Acme's D4PG recipe).
         min_size: learners sample only once this many items are in (job-wide).
-        n_step, discount: actors assemble N-step transitions (the learners' batches hold the discounted
+        n_step: actors assemble N-step transitions (the learners' batches hold the discounted
             N-step reward and discount^k, or 0 after a terminal step).
-        prioritized, priority_exponent, importance_exponent: proportional prioritized replay (Schaul et
-            al.): item i is drawn with probability p_i^a / sum p^a, and weighted (N P(i))^-b / max over
-            the batch. New items take the largest priority seen; `update_priorities` sets others.
+        discount: the per-step discount of those transitions.
+        prioritized: proportional prioritized replay (Schaul et al.) instead of uniform sampling: item i
+            is drawn with probability p_i^a / sum p^a. New items take the largest priority seen;
+            `update_priorities` sets others.
+        priority_exponent: a in p_i^a.
+        importance_exponent: b in the importance weight (N P(i))^-b / max over the batch.
         seed: seeds each shard's sampling and each actor's `actor.seed` (distinct per actor).
     """
 

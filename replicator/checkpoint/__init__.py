@@ -112,7 +112,8 @@ def save(
         modules: a module (saved as "model") or {name: module}. A pipeline stage passes
             its own stage module under the name the unsplit model uses: stage modules keep
             the original layer indices, so the stages' keys together are the whole model's.
-        optimizers, schedulers: saved by parameter name, so they reshard and merge.
+        optimizers: saved by parameter name, so they reshard and merge.
+        schedulers: the optimizers' LR schedulers.
         step: the number of completed steps.
         input_state: where the input stands. JSON values (epoch, batches consumed) are the
             job's, written by rank 0; tensors (e.g. the generator state the epoch began

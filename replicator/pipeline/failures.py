@@ -3,7 +3,7 @@
 A failed stage keeps walking its schedule, sending aborts in place of data, so no
 neighbour is left waiting. A training step then ends with one status message per stage
 to the next; an evaluation step, whose messages flow downstream only, with one small
-all-reduce. See docs/design.md, 'Pipeline failures'.
+all-reduce. See docs/concepts/design.md, 'Pipeline failures'.
 """
 
 from __future__ import annotations

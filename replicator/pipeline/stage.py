@@ -78,7 +78,7 @@ class PipelineStage:
     *abort* message that carries the error, and every stage then raises PipelineError
     naming the stage that failed and why (see failures.py). No message is left unmatched,
     so the pipeline can run the next step (zero the gradients first: a failed step may
-    have accumulated some). See docs/design.md, 'Pipeline failures'.
+    have accumulated some). See docs/concepts/design.md, 'Pipeline failures'.
 
     Args:
         module: this stage's layers (called as `module(x)`, where x is a tensor or a

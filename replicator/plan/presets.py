@@ -130,7 +130,7 @@ ETHERNET_100G = Hardware(100e9 / 8, "100 Gbit/s Ethernet: 12.5 GB/s per directio
 DGX2H_NETWORK = Hardware(100e9, "Shoeybi et al. 2019, §5: \"100 GB/sec ... between servers using 8 InfiniBand "
                                 "adapters per server\"")
 
-# Global assumptions: one value for every case, not tuned per case (docs/scaling.md).
+# Global assumptions: one value for every case, not tuned per case (docs/concepts/scaling.md).
 # Achieved / peak FLOP/s when no measured throughput is given (CLI default; every published case
 # brings a measured one).
 COMPUTE_EFFICIENCY = 0.5

@@ -280,7 +280,7 @@ def _si(value: float, unit: str) -> str:
 
 
 def inputs_table() -> str:
-    """The inputs of every published case as a Markdown table (docs/scaling.md quotes it verbatim)."""
+    """The inputs of every published case as a Markdown table (docs/concepts/scaling.md quotes it verbatim)."""
     lines = [
         "| case | model | GPUs (per node) | 1-GPU samples/s | batch/GPU | intra-node | network | gradient | reducer | "
         "message |",
@@ -297,7 +297,7 @@ def inputs_table() -> str:
 
 
 def reproduction_table(assumptions: Assumptions | None = None) -> str:
-    """Predicted against published efficiency for every case (docs/scaling.md quotes it verbatim)."""
+    """Predicted against published efficiency for every case (docs/concepts/scaling.md quotes it verbatim)."""
     stated = assumptions or fitted_assumptions()
     lines = [
         "| case | GPUs | step | compute | exposed | of which tail | predicted | published | error |",
@@ -318,7 +318,7 @@ def reproduction_table(assumptions: Assumptions | None = None) -> str:
 
 
 def leave_one_out_table() -> str:
-    """Each covered case predicted with the interference fitted without it (docs/scaling.md quotes it)."""
+    """Each covered case predicted with the interference fitted without it (docs/concepts/scaling.md quotes it)."""
     lines = ["| case | interference without it | predicted | published | error |", "| --- | --- | --- | --- | --- |"]
     errors = []
     for case, value, efficiency in leave_one_out():
@@ -330,7 +330,7 @@ def leave_one_out_table() -> str:
 
 
 def sources_table() -> str:
-    """Where each row's published efficiency and one-device throughput come from (docs/scaling.md quotes it)."""
+    """Where each row's published efficiency and one-device throughput come from (quoted in the docs)."""
     lines = ["| case | published result | one-device throughput |", "| --- | --- | --- |"]
     for case in PUBLISHED_CASES:
         lines.append(f"| {case.key} | {case.source} | {case.throughput.source} |")

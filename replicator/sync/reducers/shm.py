@@ -96,7 +96,7 @@ class SharedMemorySum:
     node's LocalLink) replica i sums slice i of every row into its own and writes it back to
     all, so every replica ends with identical bits. Across nodes each local replica all-reduces
     its slice in chunks of `chunk_bytes`. Why two barriers suffice, why the first bucket needs
-    none of its own, and how chunks overlap: docs/design.md, 'Shared-memory summation'.
+    none of its own, and how chunks overlap: docs/concepts/design.md, 'Shared-memory summation'.
     """
 
     def __init__(self, groups: ProcessGroups, timeout_s: float, per_node: int | None = None,
