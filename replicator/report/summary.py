@@ -105,6 +105,7 @@ def describe_scaling(series: ScalingSeries) -> list[str]:
         planned = "; ".join(f"{label} {100 * values[replicas]:.1f}%" for label, values in series.predicted.items()
                             if replicas in values)
         measured = "-" if efficiency is None else f"{100 * efficiency:.1f}%"
-        lines.append(f"  {replicas:>3} replicas: {_rate(run.throughput or 0)} samples/s, efficiency {measured}"
+        noun = "replica" if replicas == 1 else "replicas"
+        lines.append(f"  {replicas:>3} {noun}: {_rate(run.throughput or 0)} samples/s, efficiency {measured}"
                      + (f" ({planned})" if planned else ""))
     return lines
