@@ -188,7 +188,9 @@ def calibrate(run: ProcessRunner, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
     """Measure matmul FLOP/s and casts to fp16 here, fit α, β to a loopback all-reduce among `world_size`
     processes, and what fp16 all-reduces of the largest sizes (`fp16_sizes`, fp32 bytes) cost beyond their bytes."""
     flops = measure_matmul_flops(matmul_size)
-    cast = measure_cast(cast_bytes)
+    # One thread: a cast of a few MB split over busy cores waits for the slowest of them (measured here at
+    # 0.5-80 GB/s from one run to the next with two threads, 47 GB/s steadily with one).
+    cast = measure_cast(cast_bytes, threads=1)
     fp16_sizes = sorted(sizes)[-2:] if fp16_sizes is None else fp16_sizes
     samples, fp16_samples = measure_all_reduce(run, sizes, repeats, world_size, timeout_s, fp16_sizes)
     alpha, beta = fit_alpha_beta(samples, world_size)
