@@ -58,6 +58,17 @@ def _positive(text: str) -> float:
     return value
 
 
+def _non_negative(text: str) -> float:
+    """A number >= 0 (argparse names the flag in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = _positive(text)
     if value > 1:
@@ -144,7 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     choices.add_argument("--max-stages", type=_count, default=1,
                          help="also consider pipelines up to K stages (default: 1)")
     choices.add_argument("--recompute", action="store_true", help="pipelines re-materialize activations (GPipe)")
-    choices.add_argument("--activation-mb", type=float, default=0.0,
+    choices.add_argument("--activation-mb", type=_non_negative, default=0.0,
                          help="MB per sample that crosses a pipeline stage boundary (default: 0)")
     choices.add_argument("--calibrate", action="store_true",
                          help="measure this machine (matmul FLOP/s, fp16 casts, loopback Gloo α/β and fp16 sums) "

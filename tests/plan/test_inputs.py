@@ -153,6 +153,7 @@ def test_plan_reads_a_real_module_from_its_factory() -> None:
     (("--params", "7B"), "--samples-per-s"),
     (("--inter-efficiency", "1.5"), "--inter-efficiency"),
     (("--memory-bw", "0"), "--memory-bw"),
+    (("--activation-mb", "-1"), "--activation-mb"),
 ])
 def test_bad_input_is_a_clear_error_naming_the_flag(argv: tuple[str, ...], flag: str,
                                                     capsys: pytest.CaptureFixture[str],
