@@ -16,13 +16,17 @@ job:
   - compute: the same training step with no communication, all 4 processes at once, which
     sets the achieved FLOP/s the planner's Accelerator is given (so forward + backward of the
     model reproduce it; the optimizer's update is folded into backward);
+  - conversion, for the compressed reducer: a 4 MiB cast to fp16 in all 4 processes at once
+    (calibrate.measure_cast, the slowest process's fastest of ten), and the same intra-node
+    all-reduce in fp16 at 2 and 8 MiB, whose time beyond what the fp32 fit gives its bytes is
+    Gloo's fp16 summing (calibrate.fit_fp16_sum_rate);
   - the step time with each reducer (benchmarks/allreduce.py's measure_steps, interleaved, medians).
 Then the planner (replicator.plan.predict) describes the cluster with Cluster.two_level and
 predicts each step; the relative error is (predicted - measured) / measured, target |error| <= 15%.
 The ordering case: the reducers ranked by predicted step must be ranked the same by measured step
 (`--fp16`, on by default, adds the compressed flat reducer so that three configurations are ranked;
 reducers whose measured medians lie within 3% of each other count as tied and may come in either
-order).
+order; the order is also judged on paired repetitions, the median of per-repetition ratios).
 For reference it also prints three variants: no overlap of communication with backward
 (Accelerator.overlap = 0: what other load on the cores pushes the cluster towards, since Gloo's
 copies and the kernel's network stack then take cycles from the backward pass), the inter-node
@@ -47,13 +51,14 @@ from _harness import add_json_argument, load_average, machine, machine_line, slo
 from allreduce import NO_COMMUNICATION, Config, forward_flops_per_sample, gradient_bytes, measure_steps
 
 from replicator.plan import Accelerator, Cluster, ReduceAlgorithm, Workload, predict
-from replicator.plan.calibrate import fit_alpha_beta, measure_matmul_flops
+from replicator.plan.calibrate import fit_alpha_beta, fit_fp16_sum_rate, measure_cast, measure_matmul_flops
 from replicator.testing.cluster import SimulatedCluster, cluster_available
 from replicator.topology import build_process_groups, discover
 
 KiB, MiB = 1 << 10, 1 << 20
 INTRA_SIZES = (4 * KiB, 64 * KiB, 512 * KiB, 2 * MiB, 8 * MiB)
 INTER_SIZES = (4 * KiB, 64 * KiB, 512 * KiB, 2 * MiB)
+FP16_SIZES = (2 * MiB, 8 * MiB)  # fp32 bytes of the elements summed in fp16
 # replicator's reducer -> the planner's: a Gloo all-reduce over the world is a ring in rank order.
 PLANNED = {"flat": ReduceAlgorithm("flat-ring", "ring"),
            "hierarchical": ReduceAlgorithm("hierarchical", "hierarchical"),
@@ -63,19 +68,26 @@ TARGET = 0.15
 TIE = 0.03
 
 
-def ordering(rows: list[dict[str, Any]]) -> tuple[list[str], list[str], bool]:
-    """(reducers by predicted step, by measured step, whether the model's order matches the measured one).
+def ordering(rows: list[dict[str, Any]], times: dict[str, list[float]] | None = None
+             ) -> tuple[list[str], list[str], bool, bool]:
+    """(reducers by predicted step, by measured step, whether the model's order matches the measured medians',
+    whether it matches the paired repetitions').
 
-    Two reducers whose measured steps lie within TIE of each other may come in either order.
+    Two reducers whose measured medians lie within TIE of each other may come in either order.
+    Paired: the phases run interleaved, so repetition i of two reducers saw the same load; their
+    order holds if the median of the per-repetition ratios is within TIE of it (load that drifts
+    between repetitions moves both sides of a ratio, not the median of one list against another's).
     """
     predicted = [row["reducer"] for row in sorted(rows, key=lambda row: row["predicted_s"])]
     measured = [row["reducer"] for row in sorted(rows, key=lambda row: row["measured_s"])]
     by_name = {row["reducer"]: row["measured_s"] for row in rows}
-    matches = all(
-        by_name[first] <= by_name[second] * (1 + TIE)
-        for i, first in enumerate(predicted) for second in predicted[i + 1:]
-    )
-    return predicted, measured, matches
+    pairs = [(first, second) for i, first in enumerate(predicted) for second in predicted[i + 1:]]
+    by_medians = all(by_name[first] <= by_name[second] * (1 + TIE) for first, second in pairs)
+    by_pairs = by_medians
+    if times is not None:
+        by_pairs = all(statistics.median(a / b for a, b in zip(times[first], times[second])) <= 1 + TIE
+                       for first, second in pairs)
+    return predicted, measured, by_medians, by_pairs
 
 
 def payload_share(mtu: int) -> float:
@@ -84,11 +96,14 @@ def payload_share(mtu: int) -> float:
     return (mtu - 52) / (mtu + 14)
 
 
-def _group_times(group: Any, sizes: tuple[int, ...], repeats: int) -> list[tuple[int, float]]:
-    """(bytes, median seconds) of an all-reduce on `group`, every rank's group at once, slowest rank per repeat."""
+def _group_times(group: Any, sizes: tuple[int, ...], repeats: int,
+                 dtype: torch.dtype = torch.float32) -> list[tuple[int, float]]:
+    """(bytes, median seconds) of an all-reduce on `group`, every rank's group at once, slowest rank per repeat.
+
+    `sizes` are fp32 bytes; the buffer holds as many elements in `dtype`, whose bytes are reported."""
     samples = []
     for nbytes in sizes:
-        buffer = torch.zeros(nbytes // 4)
+        buffer = torch.zeros(nbytes // 4, dtype=dtype)
         dist.all_reduce(buffer, group=group)
         seconds = []
         for _ in range(repeats):
@@ -96,7 +111,7 @@ def _group_times(group: Any, sizes: tuple[int, ...], repeats: int) -> list[tuple
             started = time.perf_counter()
             dist.all_reduce(buffer, group=group)
             seconds.append(slowest_rank(time.perf_counter() - started))
-        samples.append((nbytes, statistics.median(seconds)))
+        samples.append((buffer.numel() * buffer.element_size(), statistics.median(seconds)))
     return samples
 
 
@@ -105,17 +120,21 @@ def calibration_job(config: Config, repeats: int, reducers: tuple[str, ...]) -> 
     groups = build_process_groups(discover())
     intra = _group_times(groups.intra_node, INTRA_SIZES, repeats)
     inter = _group_times(groups.inter_node, INTER_SIZES, repeats)
+    fp16 = _group_times(groups.intra_node, FP16_SIZES, repeats, torch.float16) if "fp16" in reducers else []
     dist.barrier()
-    matmul = measure_matmul_flops()  # every process at once: the share of the cores each one gets
-    flops = torch.tensor([matmul])
-    dist.all_reduce(flops, op=dist.ReduceOp.MIN)
+    # Every process at once: the share of the cores each one gets; the slowest process's.
+    measured = torch.tensor([measure_matmul_flops(), measure_cast()])
+    dist.all_reduce(measured, op=dist.ReduceOp.MIN)
     steps = measure_steps(config, reducers)
-    return {"intra": intra, "inter": inter, "matmul_flops": float(flops.item()), "steps": steps}
+    return {"intra": intra, "inter": inter, "fp16_intra": fp16, "matmul_flops": float(measured[0]),
+            "cast_bandwidth": float(measured[1]), "steps": steps}
 
 
 def predictions(config: Config, calibration: dict[str, Any], reducers: tuple[str, ...]) -> list[dict[str, Any]]:
     intra_alpha, intra_beta = fit_alpha_beta(calibration["intra"], 2)
     inter_alpha, inter_beta_fit = fit_alpha_beta(calibration["inter"], 2)
+    fp16_sum_rate = fit_fp16_sum_rate(calibration["fp16_intra"], intra_alpha, intra_beta, 2)
+    conversion = {"cast_bandwidth": calibration["cast_bandwidth"], "fp16_sum_rate": fp16_sum_rate}
     line_rate = config.link_mbit * 1e6 / 8
     goodput = line_rate * payload_share(config.mtu)
     cluster = Cluster.two_level(config.procs_per_node, intra_beta, intra_alpha, goodput, inter_alpha)
@@ -126,9 +145,11 @@ def predictions(config: Config, calibration: dict[str, Any], reducers: tuple[str
     flops = forward_flops_per_sample(config)
     workload = Workload(params=gradient_bytes(config) / 4, flops_per_sample=flops, batch_per_gpu=config.batch)
     # Forward + backward = 3 forwards of FLOPs; the achieved rate that makes them last the measured step.
-    fitted = Accelerator(peak_flops=3 * flops * config.batch / compute, efficiency=1.0)
-    serial = Accelerator(peak_flops=fitted.peak_flops, efficiency=1.0, overlap=0.0)
-    matmul = Accelerator(peak_flops=calibration["matmul_flops"], efficiency=1.0)
+    fitted = Accelerator(peak_flops=3 * flops * config.batch / compute, efficiency=1.0, **conversion)
+    serial = Accelerator(peak_flops=fitted.peak_flops, efficiency=1.0, overlap=0.0, **conversion)
+    matmul = Accelerator(peak_flops=calibration["matmul_flops"], efficiency=1.0, **conversion)
+    # What the model said before it charged for conversion (fp16 ranked by its bytes alone).
+    free = Accelerator(peak_flops=fitted.peak_flops, efficiency=1.0)
     gpus = config.nodes * config.procs_per_node
     bucket = config.bucket_mb * MiB
     rows = []
@@ -138,9 +159,10 @@ def predictions(config: Config, calibration: dict[str, Any], reducers: tuple[str
                                "fit": {"intra_alpha_s": intra_alpha, "intra_beta": intra_beta,
                                        "inter_alpha_s": inter_alpha,
                                        "inter_beta_fitted": inter_beta_fit, "inter_beta_used": goodput,
-                                       "inter_line_rate": line_rate}}
+                                       "inter_line_rate": line_rate, **conversion}}
         variants = (("predicted", fitted, cluster), ("predicted_no_overlap", serial, cluster),
-                    ("predicted_line_rate", fitted, raw), ("predicted_matmul", matmul, cluster))
+                    ("predicted_line_rate", fitted, raw), ("predicted_matmul", matmul, cluster),
+                    ("predicted_free_casts", free, cluster))
         for label, accelerator, described in variants:
             prediction = predict(workload, accelerator, described, gpus, PLANNED[name], bucket)
             row[label + "_s"] = prediction.step_time
@@ -149,6 +171,7 @@ def predictions(config: Config, calibration: dict[str, Any], reducers: tuple[str
                 row["planner_compute_s"] = prediction.step.compute
                 row["planner_exposed_s"] = prediction.step.exposed
                 row["planner_communication_s"] = prediction.step.communication
+                row["planner_conversion_s"] = prediction.step.conversion
         rows.append(row)
     return rows
 
@@ -198,27 +221,40 @@ def main(argv: list[str] | None = None) -> int:
         f"compute: step without communication {compute * 1e3:.1f} ms "
         f"(= {3 * forward_flops_per_sample(config) * config.batch / compute / 1e9:.1f} GFLOP/s per process); "
         f"512x512 matmul in 4 processes at once: {calibration['matmul_flops'] / 1e9:.1f} GFLOP/s per process",
+        f"conversion: cast to fp16 {fit['cast_bandwidth'] / 1e9:.2f} GB/s of fp32 per process; Gloo's fp16 sums "
+        f"{fit['fp16_sum_rate'] / 1e6:.1f} M elements/s beyond their bytes",
         "",
-        "| reducer | measured step (ms) | predicted (ms) | error | of which compute / exposed comm. (ms) "
-        "| with no overlap (ms) | error | at raw line rate (ms) | error | with matmul FLOP/s (ms) | error |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| reducer | measured step (ms) | predicted (ms) | error | of which compute / exposed comm. / conversion (ms) "
+        "| with no overlap (ms) | error | at raw line rate (ms) | error | with matmul FLOP/s (ms) | error "
+        "| with free casts (ms) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         lines.append(
             f"| {row['reducer']} | {row['measured_s'] * 1e3:.1f} | {row['predicted_s'] * 1e3:.1f} "
             f"| {row['predicted_error']:+.1%} "
             f"| {row['planner_compute_s'] * 1e3:.1f} / {row['planner_exposed_s'] * 1e3:.1f} "
+            f"/ {row['planner_conversion_s'] * 1e3:.1f} "
             f"| {row['predicted_no_overlap_s'] * 1e3:.1f} | {row['predicted_no_overlap_error']:+.1%} "
             f"| {row['predicted_line_rate_s'] * 1e3:.1f} | {row['predicted_line_rate_error']:+.1%} "
-            f"| {row['predicted_matmul_s'] * 1e3:.1f} | {row['predicted_matmul_error']:+.1%} |")
+            f"| {row['predicted_matmul_s'] * 1e3:.1f} | {row['predicted_matmul_error']:+.1%} "
+            f"| {row['predicted_free_casts_s'] * 1e3:.1f} |")
     checked = [r for r in rows if r["reducer"] in ("flat", "hierarchical")]
     worst = max(abs(r["predicted_error"]) for r in checked)
     lines.append(f"\nTarget |error| <= {TARGET:.0%} for flat and hierarchical: worst {worst:.1%} -> "
                  f"{'met' if worst <= TARGET else 'NOT met'}")
-    by_prediction, by_measurement, same_order = ordering(rows)
+    times = calibration["steps"]["times"]
+    by_prediction, by_measurement, same_order, same_paired = ordering(rows, times)
+
+    def verdict(same: bool) -> str:
+        return "same" if same else "DIFFERENT"
+
     lines.append(f"Ordering of reducers (fastest first): predicted {' < '.join(by_prediction)}, measured "
-                 f"{' < '.join(by_measurement)} -> {'same' if same_order else 'DIFFERENT'} "
-                 f"(measured within {TIE:.0%} counts as a tie)")
+                 f"{' < '.join(by_measurement)} -> by medians {verdict(same_order)}, by paired repetitions "
+                 f"{verdict(same_paired)} (within {TIE:.0%} counts as a tie)")
+    free_order = ordering([{**row, "predicted_s": row["predicted_free_casts_s"]} for row in rows], times)
+    lines.append(f"  with conversion free (the model before it charged for casts): {' < '.join(free_order[0])} -> "
+                 f"by medians {verdict(free_order[2])}, by paired repetitions {verdict(free_order[3])}")
     for name, value in calibration["steps"]["checks"].items():
         lines.append(f"  check: {name} = {value:.3g}")
     load_after = load_average()[0]
@@ -227,7 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {"config": asdict(config), "rows": rows,
               "calibration": {k: v for k, v in calibration.items() if k != "steps"},
               "step_times": calibration["steps"]["times"], "worst_error": worst, "met": worst <= TARGET,
-              "ordering": {"predicted": by_prediction, "measured": by_measurement, "same": same_order},
+              "ordering": {"predicted": by_prediction, "measured": by_measurement, "same": same_order,
+                           "same_paired": same_paired, "predicted_free_casts": free_order[0],
+                           "same_free_casts": free_order[2], "same_paired_free_casts": free_order[3]},
               "load_average_1min": {"before": load_before, "after": load_after}}
     write_json(options.json, report, header)
     return 0

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import TYPE_CHECKING
 
 from replicator.plan import presets, published
+from replicator.plan.conversion import cast_bandwidth_from_memory
 from replicator.plan.planner import (
     MB,
     REDUCERS,
     Cluster,
     Plan,
     Prediction,
-    ReduceAlgorithm,
     gpu_counts,
     plan,
     with_compression,
@@ -54,6 +55,17 @@ def _positive(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    """A number >= 0 (argparse names the flag in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
     return value
 
 
@@ -126,6 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="µs per message step across the network (default: 10)")
     cluster.add_argument("--gpu-flops", type=_positive, default=presets.P100_SXM2_FP32.value / 1e12,
                          help="peak TFLOP/s of one GPU (default: 10.6, P100 fp32)")
+    cluster.add_argument("--memory-bw", type=_positive, default=presets.P100_SXM2_MEMORY.value / 1e9,
+                         help="GB/s of one GPU's memory: sets what casting gradients to fp16 and back costs "
+                              "with --fp16 (default: 732, P100)")
     cluster.add_argument("--efficiency", type=_fraction, default=presets.COMPUTE_EFFICIENCY,
                          help="fraction of peak a real model achieves, when no throughput is measured (default: 0.5)")
     cluster.add_argument("--overlap", type=float, default=1.0,
@@ -140,10 +155,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     choices.add_argument("--max-stages", type=_count, default=1,
                          help="also consider pipelines up to K stages (default: 1)")
     choices.add_argument("--recompute", action="store_true", help="pipelines re-materialize activations (GPipe)")
-    choices.add_argument("--activation-mb", type=float, default=0.0,
+    choices.add_argument("--activation-mb", type=_non_negative, default=0.0,
                          help="MB per sample that crosses a pipeline stage boundary (default: 0)")
     choices.add_argument("--calibrate", action="store_true",
-                         help="measure this machine (matmul FLOP/s, loopback Gloo α/β) and plan for nodes like it")
+                         help="measure this machine (matmul FLOP/s, fp16 casts, loopback Gloo α/β and fp16 sums) "
+                              "and plan for nodes like it")
     choices.add_argument("--json", action="store_true",
                          help="print every prediction as a JSON list (gpus, reducer, bucket_cap_mb, step_s, "
                               "efficiency, ...) instead of tables")
@@ -208,19 +224,27 @@ def _arguments(prediction: Prediction) -> str:
     return shape if pipe.stages == 1 else f"{shape}, stages={pipe.stages}, chunks={pipe.micro_batches}"
 
 
-def _print_plan(result: Plan, algorithms: list[ReduceAlgorithm], title: str) -> None:
+def _print_plan(result: Plan, reducers: list[str], title: str) -> None:
     from rich.table import Table
 
+    configurations = result.configurations()
+    # A runtime reducer more than one cost model stands for says which of them its cell shows.
+    shared = {r for r in reducers if len({p.algorithm.algorithm for p in result.predictions.values()
+                                          if p.reducer == r}) > 1}
     table = Table(title=title)
     table.add_column("GPUs", justify="right")
-    for algorithm in algorithms:
-        # The model's name, then the runtime reducer that runs it (what Replicator(reducer=...) takes).
-        table.add_column(f"{algorithm.name}\n{algorithm.reducer}\neff. step bucket", justify="right")
+    for reducer in reducers:
+        # What Replicator(reducer=...) takes, then what each cell holds.
+        table.add_column(f"{reducer}\neff. step bucket" + (" (model)" if reducer in shared else ""), justify="right")
     table.add_column("recommended", justify="left")
     table.add_column("samples/s", justify="right")
     for gpus in result.gpu_counts:
         best = result.recommended[gpus]
-        row = [str(gpus)] + [_cell(result.predictions[(gpus, algorithm.name)]) for algorithm in algorithms]
+        row = [str(gpus)]
+        for reducer in reducers:
+            prediction = configurations[(gpus, reducer, 1, 1)]
+            algorithm = f" {prediction.algorithm.algorithm}" if reducer in shared and gpus > 1 else ""
+            row.append(_cell(prediction) + algorithm)
         table.add_row(*row, _arguments(best), _rate(best.throughput))
     console = _console()
     console.print(table)
@@ -254,7 +278,7 @@ def _print_reproduction() -> None:
 
 
 def _cluster(options: argparse.Namespace, gpu_flops: float, intra_bw: float, intra_latency: float,
-             intra_efficiency: float | None) -> tuple[Accelerator, Cluster]:
+             intra_efficiency: float | None, conversion: tuple[float, float]) -> tuple[Accelerator, Cluster]:
     if options.max_gpus > options.gpus_per_node and options.max_gpus % options.gpus_per_node:
         raise ValueError(f"--max-gpus {options.max_gpus} does not fill whole nodes of --gpus-per-node "
                          f"{options.gpus_per_node}; use a multiple of {options.gpus_per_node}")
@@ -264,7 +288,7 @@ def _cluster(options: argparse.Namespace, gpu_flops: float, intra_bw: float, int
         intra_efficiency = options.intra_efficiency or TRANSPORTS[options.intra_transport].efficiency
     inter_efficiency = options.inter_efficiency or TRANSPORTS[options.inter_transport].efficiency
     try:
-        accelerator = Accelerator(gpu_flops, options.efficiency, options.overlap)
+        accelerator = Accelerator(gpu_flops, options.efficiency, options.overlap, *conversion)
     except ValueError as error:
         raise ValueError(f"--overlap: {error}") from None
     cluster = Cluster.two_level(options.gpus_per_node, intra_bw, intra_latency, options.inter_bw * 1e9,
@@ -282,6 +306,8 @@ def main(options: argparse.Namespace) -> int:
         gpu_flops, intra_bw = options.gpu_flops * 1e12, options.intra_bw * 1e9
         intra_latency = options.intra_latency * 1e-6
         intra_efficiency = None
+        # A GPU casts at memory speed and NCCL sums fp16 natively; --calibrate measures both here.
+        conversion = (cast_bandwidth_from_memory(options.memory_bw * 1e9), math.inf)
         if options.calibrate:
             from replicator.plan.calibrate import calibrate
             from replicator.testing import run_replicas
@@ -298,11 +324,14 @@ def main(options: argparse.Namespace) -> int:
             # What was measured is what is achieved: no further share of a line rate applies.
             gpu_flops, intra_bw, intra_latency, intra_efficiency = (measured.matmul_flops, measured.beta,
                                                                     measured.alpha, 1.0)
+            conversion = (measured.cast_bandwidth, measured.fp16_sum_rate)
             (sys.stderr if options.json else sys.stdout).write(
                 f"Calibrated: matmul {measured.matmul_flops / 1e9:.1f} GFLOP/s; loopback Gloo all-reduce over "
                 f"{measured.world_size} processes: α = {measured.alpha * 1e6:.1f} µs, "
-                f"β = {measured.beta / 1e9:.2f} GB/s achieved (used for the intra-node tier).\n")
-        accelerator, cluster = _cluster(options, gpu_flops, intra_bw, intra_latency, intra_efficiency)
+                f"β = {measured.beta / 1e9:.2f} GB/s achieved (used for the intra-node tier); casts to fp16 "
+                f"{measured.cast_bandwidth / 1e9:.1f} GB/s of fp32, fp16 sums "
+                f"{measured.fp16_sum_rate / 1e6:.0f} M elements/s beyond their bytes.\n")
+        accelerator, cluster = _cluster(options, gpu_flops, intra_bw, intra_latency, intra_efficiency, conversion)
         counts = gpu_counts(cluster, options.max_gpus)
         reducers = with_compression(REDUCERS) if options.fp16 else REDUCERS
         buckets = None if options.bucket_mb is None else [options.bucket_mb * MB]
@@ -314,7 +343,7 @@ def main(options: argparse.Namespace) -> int:
                    else f"{(workload.flops_per_sample or 0) / 1e9:.2f} GFLOP/sample")
         title = (f"{name}: {workload.params / 1e6:,.1f} M params, {compute}, batch {workload.batch_per_gpu}/GPU, "
                  f"{options.gpus_per_node} GPUs/node, overlap {accelerator.overlap:g}")
-        _print_plan(result, list(reducers), title)
+        _print_plan(result, list(dict.fromkeys(r.reducer for r in reducers)), title)
         return 0
     except ValueError as error:
         print(f"replicator plan: {error}", file=sys.stderr)
@@ -322,16 +351,12 @@ def main(options: argparse.Namespace) -> int:
 
 
 def _records(result: Plan) -> list[dict[str, object]]:
-    """Every best-bucket prediction (GPU count × reducer), and recommended pipelines, marked as recommended or not."""
-    records = []
+    """One record per configuration a user can paste (GPU count × runtime reducer, and recommended pipelines),
+    marked as recommended or not; `algorithm` names the cost model that predicted it."""
     recommended = {id(p) for p in result.recommended.values()}
-    seen = set()
-    for prediction in [*result.predictions.values(), *result.recommended.values()]:
-        if id(prediction) in seen:
-            continue
-        seen.add(id(prediction))
-        records.append({**prediction.to_dict(), "recommended": id(prediction) in recommended})
-    return sorted(records, key=lambda r: (str(r["gpus"]).zfill(8), str(r["algorithm"]), str(r["stages"]).zfill(4)))
+    records = [{**prediction.to_dict(), "recommended": id(prediction) in recommended}
+               for _, prediction in sorted(result.configurations().items(), key=lambda item: item[0])]
+    return records
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from replicator.plan._checks import raise_if
+from replicator.plan.conversion import Compression, compression_of
 from replicator.plan.cost import Level, all_reduce_time
 from replicator.plan.profile import FIRST_BUCKET_BYTES
 from replicator.plan.step import NO_PIPELINE, Accelerator, Pipeline, StepBreakdown, Workload, step_time
@@ -144,6 +145,11 @@ class ReduceAlgorithm:
         if not self.reducer:
             object.__setattr__(self, "reducer", runtime_reducer(self.algorithm, self.gradient_bytes))
 
+    @property
+    def compression(self) -> Compression | None:
+        """The 16-bit wire type (and error feedback) the runtime reducer converts gradients to; None if lossless."""
+        return compression_of(self.reducer)
+
 
 def runtime_reducer(algorithm: str, gradient_bytes: int | None = None) -> str:
     """The `Replicator(reducer=...)` string that runs `algorithm` with `gradient_bytes` per element on the wire."""
@@ -167,15 +173,20 @@ REDUCERS: tuple[ReduceAlgorithm, ...] = (
 )
 
 
-def with_compression(algorithms: Sequence[ReduceAlgorithm], wire: str = "fp16") -> tuple[ReduceAlgorithm, ...]:
+def with_compression(algorithms: Sequence[ReduceAlgorithm], wire: str = "fp16",
+                     error_feedback: bool = False) -> tuple[ReduceAlgorithm, ...]:
     """The algorithms plus a variant of each that sends gradients in a 2-byte type (changes numerics: opt-in).
 
-    `wire` is the runtime's 16-bit type, "fp16" or "bf16"; the cost is the same for both.
+    `wire` is the runtime's 16-bit type, "fp16" or "bf16", optionally with error feedback
+    ("+ef"). The bytes on the wire are the same for all; what converting costs differs
+    (`conversion.Compression`).
     """
     if wire not in ("fp16", "bf16"):
         raise ValueError(f"wire must be 'fp16' or 'bf16', got {wire!r}")
+    compressor = wire + ("+ef" if error_feedback else "")
     return tuple(algorithms) + tuple(
-        ReduceAlgorithm(f"{a.name}+{wire}", a.algorithm, 2, wire if a.reducer == "flat" else f"{wire}@{a.reducer}")
+        ReduceAlgorithm(f"{a.name}+{compressor}", a.algorithm, 2,
+                        compressor if a.reducer == "flat" else f"{compressor}@{a.reducer}")
         for a in algorithms
     )
 
@@ -227,7 +238,7 @@ class Prediction:
             "step_s": self.step_time, "efficiency": self.efficiency, "samples_per_s": self.throughput,
             "compute_s": self.step.compute, "communication_s": self.step.communication,
             "exposed_s": self.step.exposed, "tail_s": self.step.tail, "bubble_s": self.step.bubble,
-            "algorithm": self.algorithm.name,
+            "conversion_s": self.step.conversion, "algorithm": self.algorithm.name,
         }
 
 
@@ -241,6 +252,27 @@ class Plan:
     @property
     def gpu_counts(self) -> list[int]:
         return sorted(self.recommended)
+
+    def configurations(self) -> dict[tuple[int, str, int, int], Prediction]:
+        """One prediction per configuration a user can paste: (GPUs, runtime reducer, stages, micro-batches).
+
+        Cost models the runtime runs alike collapse into one (a flat ring and flat
+        halving-doubling are both one 'flat' all-reduce whose algorithm the backend picks):
+        the fastest stands for them, and `Prediction.algorithm` says which the model assumed.
+        The recommended configuration stands for its own, being within the tie tolerance of it.
+        """
+        chosen: dict[tuple[int, str, int, int], Prediction] = {}
+        for prediction in self.predictions.values():
+            key = _configuration(prediction)
+            if key not in chosen or prediction.step_time < chosen[key].step_time:
+                chosen[key] = prediction
+        for prediction in self.recommended.values():
+            chosen[_configuration(prediction)] = prediction
+        return chosen
+
+
+def _configuration(prediction: Prediction) -> tuple[int, str, int, int]:
+    return prediction.gpus, prediction.reducer, prediction.pipeline.stages, prediction.pipeline.micro_batches
 
 
 def _replica_levels(levels: list[Level], stages: int) -> list[Level]:
@@ -274,7 +306,8 @@ def predict(workload: Workload, accelerator: Accelerator, cluster: Cluster, gpus
     """Predicted step on `gpus` GPUs with one reducer, bucket size and pipeline shape.
 
     `first_bucket` is the size of the first bucket backward fills (the runtime's 1 MiB, as
-    torch DDP's; a system without one passes `bucket`).
+    torch DDP's; a system without one passes `bucket`). A reducer that compresses gradients
+    the workload holds in fp32 also pays for converting them (`conversion.Compression`).
     """
     if gpus % pipeline.stages:
         raise ValueError(f"{gpus} GPUs cannot hold whole replicas of {pipeline.stages} stages")
@@ -295,7 +328,14 @@ def predict(workload: Workload, accelerator: Accelerator, cluster: Cluster, gpus
     def p2p(nbytes: float) -> float:
         return boundary.latency + nbytes / boundary.bandwidth
 
-    step = step_time(wire, accelerator, all_reduce if replicas > 1 else None, bucket, pipeline, p2p, first_bucket)
+    compression = reducer.compression if workload.gradient_bytes != wire.gradient_bytes else None
+
+    def convert(nbytes: float) -> float:
+        assert compression is not None
+        return compression.seconds(nbytes / wire.gradient_bytes, replicas, accelerator)
+
+    step = step_time(wire, accelerator, all_reduce if replicas > 1 else None, bucket, pipeline, p2p, first_bucket,
+                     convert if compression is not None else None)
     single = step_time(workload, accelerator, None, bucket).total
     return Prediction(gpus, reducer, bucket, pipeline, step, single, gpus * workload.batch_per_gpu)
 

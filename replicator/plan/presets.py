@@ -18,6 +18,7 @@ __all__ = [
     "Hardware",
     "P100_SXM2_FP32",
     "P100_PCIE_FP32",
+    "P100_SXM2_MEMORY",
     "NVLINK1_GPU_PAIR",
     "NVLINK1_DGX1",
     "NVLINK2_V100",
@@ -115,6 +116,7 @@ class Hardware:
 
 P100_SXM2_FP32 = Hardware(10.6e12, "NVIDIA Tesla P100 datasheet: 10.6 TFLOP/s fp32 (NVLink/SXM2 module)")
 P100_PCIE_FP32 = Hardware(9.3e12, "NVIDIA Tesla P100 datasheet: 9.3 TFLOP/s fp32 (PCIe card)")
+P100_SXM2_MEMORY = Hardware(732e9, "NVIDIA Tesla P100 datasheet: 732 GB/s HBM2 memory bandwidth (NVLink/SXM2 module)")
 NVLINK1_GPU_PAIR = Hardware(40e9, "NVLink 1.0: 20 GB/s per direction per link, 2 links between paired P100s "
                                   "(IBM Redbook REDP-5405, S822LC for HPC)")
 NVLINK1_DGX1 = Hardware(80e9, "NVLink 1.0 in a DGX-1 (P100): 4 links of 20 GB/s per direction per GPU "

@@ -94,16 +94,27 @@ class Accelerator:
     while kernels run), towards 0 where it needs the cycles the backward pass is using (Gloo's
     copies and the kernel's network stack on CPU cores that other work also keeps busy), so
     that it adds to the step instead of hiding under it (docs/results.md measures both).
+
+    What a compressed reducer's conversions cost (`plan.conversion`): `cast_bandwidth` is the
+    bytes of fp32 gradient one elementwise pass (a cast to or from 16 bits, a scaling) gets
+    through per second, and `fp16_sum_rate` the gradient elements per second an fp16
+    all-reduce sums beyond what its bytes cost (Gloo on CPU converts every element through
+    fp32 in scalar code; NCCL sums fp16 natively). Infinite: free, as on a GPU to within
+    microseconds per bucket.
     """
 
     peak_flops: float
     efficiency: float = 1.0
     overlap: float = 1.0
+    cast_bandwidth: float = math.inf
+    fp16_sum_rate: float = math.inf
 
     def __post_init__(self) -> None:
         raise_if(self.peak_flops <= 0, f"peak_flops must be > 0, got {self.peak_flops}")
         raise_if(not 0 < self.efficiency <= 1, f"efficiency must be in (0, 1], got {self.efficiency}")
         raise_if(not 0 <= self.overlap <= 1, f"overlap must be in [0, 1], got {self.overlap}")
+        raise_if(not self.cast_bandwidth > 0, f"cast_bandwidth must be > 0 bytes/s, got {self.cast_bandwidth}")
+        raise_if(not self.fp16_sum_rate > 0, f"fp16_sum_rate must be > 0 elements/s, got {self.fp16_sum_rate}")
 
     @property
     def achieved_flops(self) -> float:
@@ -130,7 +141,8 @@ NO_PIPELINE = Pipeline()
 @dataclass(frozen=True)
 class StepBreakdown:
     """Seconds per step. `communication` is the all-reduce busy time, `exposed` the part not hidden, and `tail`
-    the all-reduce of the last bucket, ready only when backward ends: the part no overlap can hide."""
+    the all-reduce of the last bucket, ready only when backward ends: the part no overlap can hide.
+    `conversion` is the share of `communication` a compressed reducer spends converting gradients."""
 
     forward: float
     backward: float
@@ -139,6 +151,7 @@ class StepBreakdown:
     communication: float
     exposed: float
     tail: float = 0.0
+    conversion: float = 0.0
 
     @property
     def compute(self) -> float:
@@ -210,24 +223,30 @@ class Schedule:
     busy: float
     exposed: float
     tail: float
+    conversion: float = 0.0
 
 
-def schedule_buckets(buckets: Sequence[ReadyBucket], window: float,
-                     all_reduce: Callable[[float], float]) -> Schedule:
+def schedule_buckets(buckets: Sequence[ReadyBucket], window: float, all_reduce: Callable[[float], float],
+                     convert: Callable[[float], float] | None = None) -> Schedule:
     """Each bucket's all-reduce starts when the bucket is ready and the link is free (one stream, in order).
 
     `window` is backward's length; a bucket is ready at `ready × window`. Whatever is on
     the wire after backward ends is exposed; the last bucket is ready only then, so its
-    all-reduce (the tail) shows whatever the schedule.
+    all-reduce (the tail) shows whatever the schedule. `convert(bytes)`, for a compressed
+    reducer, is the time its casts take around one bucket's all-reduce: the runtime makes
+    them on the reducer's one thread, before the bucket goes out and after it is back, so
+    they hold the stream as the all-reduce does.
     """
     if window < 0:
         raise ValueError(f"overlap window must be >= 0 s, got {window}")
-    free = busy = tail = 0.0
+    free = busy = tail = conversion = 0.0
     for item in buckets:
-        tail = all_reduce(item.nbytes)
+        converting = convert(item.nbytes) if convert is not None else 0.0
+        tail = all_reduce(item.nbytes) + converting
         free = max(free, item.ready * window) + tail
         busy += tail
-    return Schedule(free, busy, max(0.0, free - window), tail)
+        conversion += converting
+    return Schedule(free, busy, max(0.0, free - window), tail, conversion)
 
 
 def step_time(
@@ -238,6 +257,7 @@ def step_time(
     pipeline: Pipeline = NO_PIPELINE,
     p2p: Callable[[float], float] | None = None,
     first_bucket: float = FIRST_BUCKET_BYTES,
+    convert: Callable[[float], float] | None = None,
 ) -> StepBreakdown:
     """Time of one synchronous step on one GPU of a data- (and optionally pipeline-) parallel job.
 
@@ -249,7 +269,7 @@ def step_time(
     last, so its share of the gradient (1/K of it, produced evenly) decides the exposed
     communication, and only its last micro-batch's backward is left to hide it under.
     `all_reduce(bytes)` is None for a single replica; `p2p(bytes)` costs one activation
-    transfer between stages.
+    transfer between stages; `convert(bytes)` a compressed reducer's casts around one bucket.
     """
     stages, micro = pipeline.stages, pipeline.micro_batches
     samples_per_micro_batch = workload.batch_per_gpu * stages / micro
@@ -263,15 +283,15 @@ def step_time(
     if stages > 1 and p2p is not None:
         # Activations forward and their gradients backward, once per slot.
         p2p_time = 2 * slots * p2p(workload.activation_bytes_per_sample * samples_per_micro_batch)
-    exposed = busy = tail = 0.0
+    exposed = busy = tail = conversion = 0.0
     if all_reduce is not None:
         if stages == 1:
             buckets = workload.layers().buckets(bucket, workload.gradient_bytes, first_bucket)
         else:
             buckets = GradientProfile.uniform(workload.params / stages).buckets(
                 bucket, workload.gradient_bytes, first_bucket)
-        timeline = schedule_buckets(buckets, backward_slot, all_reduce)
-        busy, tail = timeline.busy, timeline.tail
+        timeline = schedule_buckets(buckets, backward_slot, all_reduce, convert)
+        busy, tail, conversion = timeline.busy, timeline.tail, timeline.conversion
         # Between perfect overlap (only what outlasts backward shows) and none (all of it shows).
         exposed = accelerator.overlap * timeline.exposed + (1 - accelerator.overlap) * busy
-    return StepBreakdown(forward, backward, bubble, p2p_time, busy, exposed, tail)
+    return StepBreakdown(forward, backward, bubble, p2p_time, busy, exposed, tail, conversion)

@@ -127,6 +127,11 @@ def test_plan_json_lists_every_prediction_ready_to_paste() -> None:
         assert record["tail_s"] <= record["exposed_s"] + 1e-12
     recommended = [r for r in records if r["recommended"]]
     assert sorted(r["gpus"] for r in recommended) == [1, 2, 4, 8, 16, 32]
+    # Each configuration a user can paste appears once; the model behind it is named apart.
+    pasted = [(r["gpus"], r["reducer"], r["stages"], r["chunks"]) for r in records]
+    assert len(pasted) == len(set(pasted)) and {r["reducer"] for r in records} == {
+        "flat", "hierarchical", "fp16", "fp16@hierarchical"}
+    assert {r["algorithm"] for r in records if r["reducer"] == "flat"} <= {"flat-ring", "flat-rhd"}
     # 7B measured at 3 samples/s: 2.67 s of compute per step on one GPU.
     assert next(r for r in records if r["gpus"] == 1)["compute_s"] == pytest.approx(8 / 3)
 
@@ -147,6 +152,8 @@ def test_plan_reads_a_real_module_from_its_factory() -> None:
     (("--model-from", "test_inputs"), "--model-from"),
     (("--params", "7B"), "--samples-per-s"),
     (("--inter-efficiency", "1.5"), "--inter-efficiency"),
+    (("--memory-bw", "0"), "--memory-bw"),
+    (("--activation-mb", "-1"), "--activation-mb"),
 ])
 def test_bad_input_is_a_clear_error_naming_the_flag(argv: tuple[str, ...], flag: str,
                                                     capsys: pytest.CaptureFixture[str],

@@ -276,6 +276,9 @@ def test_calibrate_measures_this_machine_quickly() -> None:
                          timeout_s=45)
     assert measured.matmul_flops > 0 and measured.beta > 0 and measured.alpha >= 0
     assert [size for size, _ in measured.samples] == [4 << 10, 256 << 10, 2 << 20]
+    # A 4 MiB cast to fp16, and fp16 all-reduces of the two largest sizes (in fp16 bytes).
+    assert measured.cast_bandwidth > 0 and measured.fp16_sum_rate > 0
+    assert [size for size, _ in measured.fp16_samples] == [128 << 10, 1 << 20]
 
 
 # --- the command line -------------------------------------------------------------------------
@@ -290,7 +293,8 @@ def _options(*argv: str) -> argparse.Namespace:
 def test_cli_prints_a_table_and_a_recommendation(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(_options("--model", "resnet101", "--max-gpus", "64", "--fp16")) == 0
     out = capsys.readouterr().out
-    assert "Recommendation at 64 GPUs" in out and "hierarchical+fp16" in out
+    # Columns are what Replicator(reducer=...) takes, each once: both flat models share "flat".
+    assert "Recommendation at 64 GPUs" in out and "fp16@hierarchical" in out and "flat-rhd" not in out
 
 
 def test_cli_reproduces_the_published_cases(capsys: pytest.CaptureFixture[str]) -> None:
