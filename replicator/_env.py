@@ -20,6 +20,7 @@ PROGRESS_EVERY = "REPLICATOR_PROGRESS_EVERY"  # stdout not a terminal: a progres
 LOCAL_LINK = "REPLICATOR_LOCAL_LINK"  # 0: keep every message on the group's backend
 ATTEMPT = "REPLICATOR_ATTEMPT"  # which restart of the job this is, set by the launcher
 MAX_RESTARTS = "REPLICATOR_MAX_RESTARTS"  # the launcher's --max-restarts, for the job to read
+TIMELINE = "REPLICATOR_TIMELINE"  # 1: every run() writes timeline-<time>.json; a path: there; 0: none
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -90,3 +91,11 @@ def local_link() -> bool:
 def attempt() -> int:
     """Which restart of the job this process belongs to: 0 on the first attempt."""
     return int(os.environ.get(ATTEMPT) or 0) + int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def timeline() -> bool | str:
+    """REPLICATOR_TIMELINE: True ("1", "true", ...), False (unset, "0", "false", ...) or the path of the trace."""
+    value = os.environ.get(TIMELINE, "").strip()
+    if value.lower() in ("", "0", "false", "no", "off"):
+        return False
+    return True if value.lower() in _TRUE else value

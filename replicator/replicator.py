@@ -30,6 +30,7 @@ from replicator.sync.guard import ReplicaGuard
 from replicator.sync.optimizer import SyncedOptimizers
 from replicator.sync.reducers import Reducer, make_reducer
 from replicator.telemetry import Progress, StepTimes, summarize_run
+from replicator.timeline.session import recorded
 
 if TYPE_CHECKING:
     from replicator.checkpoint import Restored
@@ -243,10 +244,12 @@ class Replicator:
         """Call input_fn once for this replica's input pipeline; batches go to its device."""
         return ReplicatedInput(self.regime.input_fn(input_fn), self._input.context, self.device)
 
+    @recorded  # timeline=: the spans of every process, merged into one Chrome trace (replicator.timeline)
     def run(self, step_fn: Callable[[ReplicaContext, Any], Any], inputs: Iterable[Any], steps: int | None = None, *,
             epochs: int | None = None, progress: bool | None = None, warmup_steps: int = 5, update_period: int = 100,
             checkpoint_every: int | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
-            keep: int = 3, actor_fn: Callable[..., Any] | None = None) -> Iterator[tuple[int, Any]]:
+            keep: int = 3, actor_fn: Callable[..., Any] | None = None,
+            timeline: bool | str | os.PathLike[str] | None = None) -> Iterator[tuple[int, Any]]:
         """Run `step_fn(ctx, batch)` on every replica; yield `(step, output)` for each step.
 
         `inputs`: `repl.prepare_input(input_fn)`, a DataLoader (split across replicas) or any iterable of this
@@ -258,6 +261,7 @@ class Replicator:
         With `checkpoint_dir`, a fresh Replicator first resumes from the newest complete checkpoint there
         (parameters, optimizers, schedulers, step, epoch and place in it, random generators) without reading the
         batches before that place; with `checkpoint_every=N` it saves after every N-th step, keeping `keep`.
+        `timeline=True` (or a file path, or REPLICATOR_TIMELINE=1) writes every process's spans as one Chrome trace.
         """
         check_run_arguments(steps, checkpoint_every, checkpoint_dir, self.optimizers.state.accumulation, epochs)
         serving = serves_this_run(self.regime, actor_fn, update_period, steps)  # a server, an actor, the evaluator

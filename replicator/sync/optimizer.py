@@ -20,6 +20,7 @@ from replicator.nn.spectral import spectral_normed
 from replicator.sync.reducers import Reducer
 from replicator.sync.state import GradientState, UpdateCount
 from replicator.sync.synchronizer import GradientSynchronizer
+from replicator.timeline import recorder as timeline
 
 __all__ = ["SyncedOptimizers", "WrappedOptimizer"]
 
@@ -124,6 +125,10 @@ class SyncedOptimizers:
             count.stepped = False
             if count.calls % state.accumulation:
                 return None
+            with timeline.span("optimizer step", "optimizer", optimizer=synchronizer.label, step=state.step):
+                return updated(closure)
+
+        def updated(closure: Callable[[], Any] | None) -> Any:
             if closure is None:
                 synchronizer.finalize()
                 if self.nonfinite == "skip" and not synchronizer.gradients_finite():
