@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import replicator as rp
 from replicator.testing import run_replicas
-from replicator.timeline import Span
+from replicator.timeline import Span, span
 from replicator.timeline.trace import lanes
 
 STEPS = 3
@@ -98,7 +98,8 @@ def sync_worker(directory: str) -> dict[str, Any]:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        return ctx.all_mean(loss.detach())
+        with span("log the loss", "user"):  # a user's own span, on the same track
+            return ctx.all_mean(loss.detach())
 
     # steps= counts the whole training's steps: each run goes STEPS further.
     list(repl.run(step_fn, batches(repl.replica_id, STEPS), steps=STEPS, timeline=False))
@@ -133,7 +134,7 @@ def test_a_two_replica_run_leaves_one_trace_of_every_process(tmp_path: Any) -> N
         for event in mine:
             by_name[event["name"]].append(event)
         assert [e["args"]["step"] for e in by_name["step"]] == [3, 4, 5]
-        for name in ("forward", "backward", "optimizer step", "gradient wait", "agreement wait"):
+        for name in ("forward", "backward", "optimizer step", "gradient wait", "agreement wait", "log the loss"):
             assert len(by_name[name]) == STEPS, (pid, name, len(by_name[name]))
             assert all(inside(e, by_name["step"]) for e in by_name[name]), name
         assert len(by_name["input wait"]) == STEPS  # the first batch, then the next one during each step but the last
@@ -144,7 +145,7 @@ def test_a_two_replica_run_leaves_one_trace_of_every_process(tmp_path: Any) -> N
         assert all(e["name"] == f"bucket {e['args']['bucket']}" and e["args"]["bytes"] > 0 for e in buckets)
         assert all(inside({"ts": e["ts"], "dur": 0}, by_name["backward"]) for e in buckets)
         assert {e["tid"] for e in buckets}.isdisjoint({e["tid"] for e in by_name["step"]})
-    assert results[0]["written"] == results[0]["path"]
+    assert [r["written"] for r in results] == [results[0]["path"]] * 2
     # REPLICATOR_TIMELINE=1: timeline-<time>.json in the current directory, both processes in it.
     written = glob.glob(str(tmp_path / "env" / "timeline-*.json"))
     assert len(written) == 1
@@ -232,6 +233,81 @@ def test_an_asynchronous_run_shows_pushes_pulls_and_the_server(tmp_path: Any) ->
     assert [e["name"] for e in served].count("serve pull") == 2
     assert sum(e["name"] == "apply update" for e in served) >= STEPS
     assert inside(next(e for e in served if e["name"] == "apply update"), [e for e in served if e["name"] == "serve"])
+
+
+# -- DiLoCo and actor-learner ------------------------------------------------------------------------
+
+
+def diloco_worker(path: str) -> None:
+    repl = rp.Replicator(mode="diloco", sync_group_size=1, outer_every=2)
+    with repl.scope():
+        model = make_model()
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def step_fn(ctx: rp.ReplicaContext, batch: Any) -> torch.Tensor:
+        loss = F.cross_entropy(model(batch[0]), batch[1])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    list(repl.run(step_fn, batches(repl.replica_id, 4), steps=4, timeline=path))
+
+
+def test_a_diloco_run_shows_its_outer_steps(tmp_path: Any) -> None:
+    path = str(tmp_path / "diloco.json")
+    run_replicas(diloco_worker, 2, path, timeout_s=180)
+    trace = load(path)
+    check_tracks(trace, 2)
+    check_nested(trace)
+    for pid in (0, 1):
+        mine = [e for e in complete(trace) if e["pid"] == pid]
+        outer = [e for e in mine if e["name"] == "outer step"]
+        assert [e["args"]["outer_step"] for e in outer] == [0, 1]
+        assert sum(e["name"] == "optimizer step" for e in mine) == 4  # the inner steps, every one local
+
+
+def toy_actor(actor: rp.ActorContext) -> None:
+    t = 0
+    while actor.running:
+        observation = torch.tensor([t / 10, 0.0])
+        actor.add(observation=observation, action=torch.rand(1), reward=float(observation.sum()),
+                  next_observation=torch.tensor([(t + 1) / 10, 0.0]), truncated=t == 9)
+        t = (t + 1) % 10
+
+
+def actor_learner_worker(path: str) -> None:
+    repl = rp.Replicator(mode="actor_learner", actors=1)
+    replay = rp.Replay(capacity=64, batch_size=4, samples_per_insert=None, min_size=8, seed=1)
+    with repl.scope():
+        model = torch.nn.Linear(3, 1)
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+
+    def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> torch.Tensor:
+        loss = F.mse_loss(model(torch.cat([batch.observation, batch.action], dim=1)).squeeze(1), batch.reward)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    list(repl.run(step_fn, repl.prepare_input(replay), steps=STEPS, actor_fn=toy_actor, update_period=4,
+                  timeline=path))
+
+
+def test_an_actor_learner_run_shows_env_steps_pulls_and_updates(tmp_path: Any) -> None:
+    path = str(tmp_path / "actor_learner.json")
+    run_replicas(actor_learner_worker, 2, path, timeout_s=180, env={"REPLICATOR_TIMEOUT": "60"})
+    trace = load(path)
+    assert check_tracks(trace, 2) == {0: "learner 0 (rank 0)", 1: "actor 0 (rank 1)"}
+    check_nested(trace)
+    learner = [e for e in complete(trace) if e["pid"] == 0]
+    actor = [e for e in complete(trace) if e["pid"] == 1]
+    assert sum(e["name"] == "optimizer step" for e in learner) == STEPS
+    assert any(e["name"] == "serve actor" for e in learner) and any(e["name"] == "publish weights" for e in learner)
+    env_steps = [e for e in actor if e["name"] == "env step"]
+    pulls = [e for e in actor if e["name"] == "weight pull"]
+    assert len(env_steps) >= 8 and len(pulls) >= max(2, len(env_steps) // 4)  # the first, then every 4 env steps
+    assert all(inside(e, [a for a in actor if a["name"] == "actor"]) for e in env_steps + pulls)
 
 
 # -- lanes --------------------------------------------------------------------------------------------

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["Span", "Recorder", "InFlight", "clock", "active", "span", "activate", "MAIN", "BUCKETS", "SERVICE",
            "DEFAULT_LIMIT"]
@@ -29,9 +28,10 @@ SERVICE = "service"  # a background thread's work (a learner's service)
 DEFAULT_LIMIT = 1_000_000
 
 
-@dataclass(frozen=True)
-class Span:
-    """Something one process did from `start` to `end` (clock() seconds) on `track`; `args` say which."""
+class Span(NamedTuple):
+    """Something one process did from `start` to `end` (clock() seconds) on `track`; `args` say which.
+
+    A named tuple: made several times per step while recording, it must be cheap to build."""
 
     name: str
     category: str
@@ -57,14 +57,26 @@ class Recorder:
             return
         self.spans.append(Span(name, category, start, end, track, args))
 
-    @contextlib.contextmanager
-    def span(self, name: str, category: str, track: str = MAIN, args: dict[str, Any] | None = None) -> Iterator[None]:
+    def span(self, name: str, category: str, track: str = MAIN,
+             args: dict[str, Any] | None = None) -> AbstractContextManager[None]:
         """Time the block as one span; it is kept when the block raises too."""
-        start = clock()
-        try:
-            yield
-        finally:
-            self.add(name, category, start, clock(), track, args)
+        return _Timed(self, name, category, track, args)
+
+
+class _Timed:
+    """A block timed into a recorder: a plain class, since a generator-based context manager costs several times
+    more per block."""
+
+    __slots__ = ("recorder", "name", "category", "track", "args", "start")
+
+    def __init__(self, recorder: Recorder, name: str, category: str, track: str, args: dict[str, Any] | None) -> None:
+        self.recorder, self.name, self.category, self.track, self.args = recorder, name, category, track, args
+
+    def __enter__(self) -> None:
+        self.start = clock()
+
+    def __exit__(self, *exception: object) -> None:
+        self.recorder.add(self.name, self.category, self.start, clock(), self.track, self.args)
 
 
 _active: Recorder | None = None

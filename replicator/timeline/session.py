@@ -145,8 +145,9 @@ class Session:
         return ProcessSpans(self.rank, self.label, self.recorder.spans, self.offset, self.host, os.getpid(),
                             self.recorder.dropped, {"measured_clock_offset_us": self.offset * 1e6})
 
-    def finish(self) -> Path | None:
-        """The run ended: hand this process's spans in; the main process merges them and returns the trace's path."""
+    def finish(self) -> Path:
+        """The run ended: hand this process's spans in; the main process merges them. Returns where the trace is
+        (on the other processes: where the main process writes it)."""
         self._stop()
         if self.rank != 0:
             if self.store is not None:
@@ -155,7 +156,7 @@ class Session:
                 except RuntimeError as error:  # the store left with the main process: it gave up on this one
                     print(f"replicator: rank {self.rank} could not hand its timeline in ({error})", file=sys.stderr,
                           flush=True)
-            return None
+            return self.destination.absolute()
         processes, missing = self._collect()
         other: dict[str, Any] = {"missing_ranks": missing} if missing else {}
         path = write_trace(chrome_trace([self._mine(), *processes], other), _unused(self.destination)).absolute()
@@ -246,7 +247,7 @@ def recorded(run: _Run) -> _Run:
     """Replicator.run's decorator: its `timeline=` argument (else REPLICATOR_TIMELINE) records the run's timeline.
 
     Off, it costs one check per run() and installs nothing. On, the trace is written when run() ends
-    (a `break` out of its loop included) and `repl.last_run["timeline"]` names it on the main process.
+    (a `break` out of its loop included), and `repl.last_run["timeline"]` names the file.
     """
 
     @functools.wraps(run)
@@ -265,8 +266,6 @@ def recorded(run: _Run) -> _Run:
         except BaseException:
             session.abandon()
             raise
-        written = session.finish()
-        if written is not None:
-            repl.last_run["timeline"] = str(written)
+        repl.last_run["timeline"] = str(session.finish())
 
     return cast(_Run, recording_run)
