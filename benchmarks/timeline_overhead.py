@@ -137,7 +137,7 @@ def main() -> None:
           f"processes); merging them into one file at the end of run() takes {hand_in_ms:.0f} ms")
     print(f"one span costs {per_span['on']:.2f} µs while recording, {per_span['off']:.3f} µs when nothing records")
     write_json(args.json, {
-        "config": vars(args) | {"buckets": figures["buckets"]},
+        "config": {key: value for key, value in vars(args).items() if key != "json"} | {"buckets": figures["buckets"]},
         "median_step_ms": per_step,
         "steps_per_s": {name: {"median": c.spread.median, "min": c.spread.min, "max": c.spread.max,
                                "paired_vs_plain": c.paired} for name, c in comparison.items()},

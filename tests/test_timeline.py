@@ -8,11 +8,12 @@ import os
 from collections import defaultdict
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import replicator as rp
-from replicator.testing import run_replicas
+from replicator.testing import ReplicaFailure, run_replicas
 from replicator.timeline import Span, span
 from replicator.timeline.trace import lanes
 
@@ -49,13 +50,19 @@ def complete(trace: dict[str, Any]) -> list[dict[str, Any]]:
     return [e for e in trace["traceEvents"] if e["ph"] == "X"]
 
 
+def of_rank(trace: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+    """Rank `rank`'s spans: its process's pid is rank + 1 (Perfetto takes pid 0 for the kernel's idle task)."""
+    return [e for e in complete(trace) if e["pid"] == rank + 1]
+
+
 def check_tracks(trace: dict[str, Any], processes: int) -> dict[int, str]:
-    """One named process per rank, every thread with events named; returns the process names."""
+    """One named process per rank, every thread with events named; returns the process names by rank."""
     metadata = [e for e in trace["traceEvents"] if e["ph"] == "M"]
-    names = {e["pid"]: e["args"]["name"] for e in metadata if e["name"] == "process_name"}
+    names = {e["pid"] - 1: e["args"]["name"] for e in metadata if e["name"] == "process_name"}
     threads = {(e["pid"], e["tid"]) for e in metadata if e["name"] == "thread_name"}
     assert sorted(names) == list(range(processes)), names
     assert {(e["pid"], e["tid"]) for e in complete(trace)} <= threads
+    assert all(e["pid"] > 0 and e["tid"] > 0 for e in complete(trace))
     return names
 
 
@@ -127,15 +134,14 @@ def test_a_two_replica_run_leaves_one_trace_of_every_process(tmp_path: Any) -> N
     names = check_tracks(trace, 2)
     assert names == {0: "rank 0: replica 0", 1: "rank 1: replica 1"}
     check_nested(trace)
-    events = complete(trace)
-    for pid in (0, 1):
-        mine = [e for e in events if e["pid"] == pid]
+    for rank in (0, 1):
+        mine = of_rank(trace, rank)
         by_name: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for event in mine:
             by_name[event["name"]].append(event)
         assert [e["args"]["step"] for e in by_name["step"]] == [3, 4, 5]
         for name in ("forward", "backward", "optimizer step", "gradient wait", "agreement wait", "log the loss"):
-            assert len(by_name[name]) == STEPS, (pid, name, len(by_name[name]))
+            assert len(by_name[name]) == STEPS, (rank, name, len(by_name[name]))
             assert all(inside(e, by_name["step"]) for e in by_name[name]), name
         assert len(by_name["input wait"]) == STEPS  # the first batch, then the next one during each step but the last
         # Every bucket's reduction, from its launch during backward to its completion.
@@ -179,9 +185,8 @@ def test_a_pipeline_run_shows_every_stage_s_actions(tmp_path: Any) -> None:
     names = check_tracks(trace, 2)
     assert names == {0: "rank 0: replica 0, stage 0", 1: "rank 1: replica 0, stage 1"}
     check_nested(trace)
-    events = complete(trace)
-    for pid, sends in ((0, "send act"), (1, "send grad")):
-        mine = [e for e in events if e["pid"] == pid]
+    for rank, sends in ((0, "send act"), (1, "send grad")):
+        mine = of_rank(trace, rank)
         steps = [e for e in mine if e["name"] == "step"]
         actions = [e for e in mine if e["cat"] in ("forward", "backward")]
         assert sorted(e["name"] for e in actions) == sorted(["F 0", "F 1", "B 0", "B 1"] * STEPS)
@@ -190,6 +195,30 @@ def test_a_pipeline_run_shows_every_stage_s_actions(tmp_path: Any) -> None:
     processes = trace["otherData"]["processes"]
     assert all("measured_clock_offset_us" in p and abs(p["measured_clock_offset_us"]) < 1e6 for p in processes)
     assert [p["clock_offset_us"] for p in processes] == [0.0, 0.0]
+
+
+def records_on_the_main_process_only() -> None:
+    repl = rp.Replicator()
+    with repl.scope():
+        model = make_model()
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def step_fn(ctx: rp.ReplicaContext, batch: Any) -> None:
+        optimizer.zero_grad()
+        F.cross_entropy(model(batch[0]), batch[1]).backward()
+        optimizer.step()
+
+    list(repl.run(step_fn, batches(repl.replica_id, 1), timeline=repl.is_main))
+
+
+def test_recording_on_some_machines_only_fails_clearly() -> None:
+    with pytest.raises(ReplicaFailure) as caught:
+        # Two "machines": the clocks are measured together, which needs every process to record.
+        run_replicas(records_on_the_main_process_only, 2, timeout_s=90, local_world_size=1,
+                     env={"REPLICATOR_TIMEOUT": "4"})
+    main = next(e for e in caught.value.errors if e.rank == 0)
+    assert "rank(s) [1] did not start recording a timeline" in main.message
+    assert "pass the same run(timeline=...)" in main.message
 
 
 # -- parameter servers --------------------------------------------------------------------------------
@@ -223,12 +252,11 @@ def test_an_asynchronous_run_shows_pushes_pulls_and_the_server(tmp_path: Any) ->
     names = check_tracks(trace, 3)
     assert names[2] == "rank 2: parameter server 0" and names[1] == "rank 1: worker 0 of sync group 1"
     check_nested(trace)
-    events = complete(trace)
-    for pid in (0, 1):
-        mine = [e["name"] for e in events if e["pid"] == pid]
+    for rank in (0, 1):
+        mine = [e["name"] for e in of_rank(trace, rank)]
         assert mine.count("push") == STEPS and mine.count("pull") == 1 and mine.count("finish") == 1
         assert mine.count("wait on servers") == STEPS + 2 and mine.count("optimizer step") == STEPS
-    served = [e for e in events if e["pid"] == 2]
+    served = of_rank(trace, 2)
     assert [e["name"] for e in served].count("serve push") == 2 * STEPS
     assert [e["name"] for e in served].count("serve pull") == 2
     assert sum(e["name"] == "apply update" for e in served) >= STEPS
@@ -260,8 +288,8 @@ def test_a_diloco_run_shows_its_outer_steps(tmp_path: Any) -> None:
     trace = load(path)
     check_tracks(trace, 2)
     check_nested(trace)
-    for pid in (0, 1):
-        mine = [e for e in complete(trace) if e["pid"] == pid]
+    for rank in (0, 1):
+        mine = of_rank(trace, rank)
         outer = [e for e in mine if e["name"] == "outer step"]
         assert [e["args"]["outer_step"] for e in outer] == [0, 1]
         assert sum(e["name"] == "optimizer step" for e in mine) == 4  # the inner steps, every one local
@@ -300,8 +328,7 @@ def test_an_actor_learner_run_shows_env_steps_pulls_and_updates(tmp_path: Any) -
     trace = load(path)
     assert check_tracks(trace, 2) == {0: "learner 0 (rank 0)", 1: "actor 0 (rank 1)"}
     check_nested(trace)
-    learner = [e for e in complete(trace) if e["pid"] == 0]
-    actor = [e for e in complete(trace) if e["pid"] == 1]
+    learner, actor = of_rank(trace, 0), of_rank(trace, 1)
     assert sum(e["name"] == "optimizer step" for e in learner) == STEPS
     assert any(e["name"] == "serve actor" for e in learner) and any(e["name"] == "publish weights" for e in learner)
     env_steps = [e for e in actor if e["name"] == "env step"]

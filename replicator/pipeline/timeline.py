@@ -20,7 +20,7 @@ import torch.distributed as dist
 from replicator.pipeline.bubble import idle_share
 from replicator.pipeline.schedule import Op, Schedule, TimedAction, timed_simulation
 from replicator.timeline import recorder
-from replicator.timeline.trace import complete_event, track_metadata
+from replicator.timeline.trace import complete_event, process_metadata, thread_metadata
 
 __all__ = ["Event", "Timeline", "gather_events", "events_from_simulation", "chrome_trace", "write_chrome_trace",
            "plot_gantt", "measured_bubble"]
@@ -138,15 +138,16 @@ def measured_bubble(events: Sequence[Event]) -> float:
 
 
 def chrome_trace(events: Sequence[Event]) -> dict[str, Any]:
-    """The events as a Chrome trace (open in ui.perfetto.dev or chrome://tracing): a row per stage."""
+    """The events as a Chrome trace (open in ui.perfetto.dev or chrome://tracing): a process per replica (pid
+    replica + 1: Perfetto takes pid 0 for the kernel's idle task), a thread per stage (tid = stage)."""
     origin = min((e.start for e in events), default=0.0)
     trace: list[dict[str, Any]] = []
-    named: set[int] = set()
+    for replica in sorted({e.replica for e in events}):
+        trace += process_metadata(replica + 1, f"replica {replica}")
     for replica, stage in sorted({(e.replica, e.stage) for e in events}):
-        trace += track_metadata(replica, None if replica in named else f"replica {replica}", stage, f"stage {stage}")
-        named.add(replica)
-    trace += [complete_event(action_label(e.op, e.microbatch, e.chunk), e.op, e.start, e.end, e.replica, e.stage,
-                             origin, asdict(e)) for e in events]
+        trace += thread_metadata(replica + 1, stage, f"stage {stage}")
+    trace += [complete_event(action_label(e.op, e.microbatch, e.chunk), e.op, e.start, e.end, e.replica + 1,
+                             e.stage, origin, asdict(e)) for e in events]
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 

@@ -127,13 +127,30 @@ class Session:
         self.store = _job_store() if distributed else None
         if self.store is not None:
             self.store.set(f"{self.prefix}begun{self.rank}", "1")
-        # One machine has one clock; across machines, align every process to the main one.
+        # One machine has one clock; across machines, align every process to the main one (a collective:
+        # first make sure every process records, so that a script that records on some only fails clearly).
         group = job.groups.everyone or job.groups.control
-        self.offset = measure_clock_offset(group) if distributed and job.mesh.num_nodes > 1 and group else 0.0
+        self.offset = 0.0
+        if self.store is not None and job.mesh.num_nodes > 1 and group is not None:
+            self._wait_for_everyone()
+            self.offset = measure_clock_offset(group)
         self.recorder = Recorder()
         self._previous = activate(self.recorder)
         # A pipeline's stages record their own actions; hooks on its layers would only repeat them.
         self.hooks = ModelSpans(self.recorder, repl.models.modules) if repl.num_stages == 1 else None
+
+    def _wait_for_everyone(self) -> None:
+        assert self.store is not None
+        keys = [f"{self.prefix}begun{rank}" for rank in range(self.world_size)]
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check(keys):
+            if time.monotonic() > deadline:
+                absent = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+                raise ReplicatorUsageError(
+                    f"rank(s) {absent} did not start recording a timeline within REPLICATOR_TIMEOUT ({self.timeout_s:g}"
+                    f" s; raised on rank {self.rank}): a job over several machines measures its clocks together, so "
+                    "pass the same run(timeline=...) (or REPLICATOR_TIMELINE) on every process")
+            time.sleep(_POLL_S)
 
     def _stop(self) -> None:
         if self.hooks is not None:

@@ -18,7 +18,8 @@ from typing import Any
 
 from replicator.timeline.recorder import MAIN, Span
 
-__all__ = ["ProcessSpans", "chrome_trace", "complete_event", "track_metadata", "lanes", "write_trace"]
+__all__ = ["ProcessSpans", "chrome_trace", "complete_event", "process_metadata", "thread_metadata", "lanes",
+           "write_trace"]
 
 
 @dataclass
@@ -46,16 +47,17 @@ def complete_event(name: str, category: str, start: float, end: float, pid: int,
     return event
 
 
-def track_metadata(pid: int, process_name: str | None, tid: int, thread_name: str) -> list[dict[str, Any]]:
-    """Names and sort order of a process (when `process_name` is given) and of one of its threads."""
-    events: list[dict[str, Any]] = []
-    if process_name is not None:
-        events += [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": process_name}},
-                   {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}}]
+def process_metadata(pid: int, name: str) -> list[dict[str, Any]]:
+    """A process's name, and its place among the processes (by pid)."""
+    return [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}},
+            {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}}]
+
+
+def thread_metadata(pid: int, tid: int, name: str) -> list[dict[str, Any]]:
+    """A thread's name, and its place in its process (by tid)."""
     lane = {"ph": "M", "pid": pid, "tid": tid}
-    events += [{"name": "thread_name", **lane, "args": {"name": thread_name}},
-               {"name": "thread_sort_index", **lane, "args": {"sort_index": tid}}]
-    return events
+    return [{"name": "thread_name", **lane, "args": {"name": name}},
+            {"name": "thread_sort_index", **lane, "args": {"sort_index": tid}}]
 
 
 def lanes(spans: Iterable[Span], nest: bool = True) -> list[list[Span]]:
@@ -81,17 +83,18 @@ def _track_order(track: str) -> tuple[int, str]:
 
 
 def chrome_trace(processes: Sequence[ProcessSpans], other: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The trace of `processes`: pid = rank, one thread per lane of each track; times aligned by each `offset`."""
+    """The trace of `processes`: pid = rank + 1 (Perfetto takes pid 0 for the kernel's idle task), one thread
+    per lane of each track, tid 1 the main one; times aligned by each `offset`."""
     origin = min((s.start - p.offset for p in processes for s in p.spans), default=0.0)
     events: list[dict[str, Any]] = []
     for process in sorted(processes, key=lambda p: p.rank):
-        pid = process.rank
-        events += track_metadata(pid, process.label, 0, MAIN)[:2]
+        pid = process.rank + 1
+        events += process_metadata(pid, process.label)
         tracks = sorted({s.track for s in process.spans} | {MAIN}, key=_track_order)
-        tid = 0
+        tid = 1
         for track in tracks:
             for number, lane in enumerate(lanes((s for s in process.spans if s.track == track), nest=track == MAIN)):
-                events += track_metadata(pid, None, tid, track if number == 0 else f"{track} ({number + 1})")
+                events += thread_metadata(pid, tid, track if number == 0 else f"{track} ({number + 1})")
                 for s in lane:
                     events.append(complete_event(s.name, s.category, s.start - process.offset,
                                                  s.end - process.offset, pid, tid, origin, s.args))
