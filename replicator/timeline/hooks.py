@@ -29,7 +29,9 @@ class ModelSpans:
         self._handles: list[RemovableHandle] = []
         self._calls: dict[int, list[float]] = {}  # module id -> starts of its calls in progress (nested calls)
         self._passes: dict[int, float] = {}  # autograd graph task -> when backward reached the model
+        self._args: dict[int, dict[str, Any]] = {}  # module id -> its spans' arguments, made once
         for module in modules:
+            self._args[id(module)] = {"module": type(module).__name__}
             self._handles.append(module.register_forward_pre_hook(self._forward_started))
             self._handles.append(module.register_forward_hook(self._forward_ended, always_call=True))
 
@@ -45,9 +47,9 @@ class ModelSpans:
         starts = self._calls.get(id(module))
         if not starts:
             return
-        self.recorder.add("forward", "forward", starts.pop(), clock(), args={"module": type(module).__name__})
+        self.recorder.add("forward", "forward", starts.pop(), clock(), args=self._args.get(id(module)))
         if torch.is_grad_enabled():
-            for tensor in tensors(output):
+            for tensor in (output,) if isinstance(output, torch.Tensor) else tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._gradient_arrived)
 
