@@ -97,9 +97,12 @@ def sync_worker(directory: str) -> dict[str, Any]:
         model = make_model()
         optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     hooks_in_steps: list[int] = []
+    failing = False
 
     def step_fn(ctx: rp.ReplicaContext, batch: Any) -> torch.Tensor:
         hooks_in_steps.append(hooks_on(model))
+        if failing:
+            raise ValueError("a step that fails on every replica")
         x, y = batch
         loss = F.cross_entropy(model(x), y)
         optimizer.zero_grad()
@@ -112,15 +115,25 @@ def sync_worker(directory: str) -> dict[str, Any]:
     list(repl.run(step_fn, batches(repl.replica_id, STEPS), steps=STEPS, timeline=False))
     hooks_off, hooks_in_steps[:] = list(hooks_in_steps), []
     path = os.path.join(directory, "trace.json")
-    list(repl.run(step_fn, batches(repl.replica_id, STEPS), steps=2 * STEPS, timeline=path))
+    list(repl.run(step_fn, batches(repl.replica_id, STEPS), steps=2 * STEPS, timeline=path,
+                  checkpoint_every=STEPS, checkpoint_dir=os.path.join(directory, "checkpoints")))
     hooks_on_, hooks_after, written = list(hooks_in_steps), hooks_on(model), repl.last_run.get("timeline")
+    # REPLICATOR_TIMELINE=1, and a loop left by a break: the steps so far are the timeline.
     os.makedirs(os.path.join(directory, "env"), exist_ok=True)
     os.chdir(os.path.join(directory, "env"))
     os.environ["REPLICATOR_TIMELINE"] = "1"
-    list(repl.run(step_fn, batches(repl.replica_id, STEPS), steps=3 * STEPS))
+    for _ in repl.run(step_fn, batches(repl.replica_id, STEPS), steps=3 * STEPS):
+        break
     del os.environ["REPLICATOR_TIMELINE"]
+    # A run that fails: each process writes its own spans beside the trace.
+    failing, raised = True, ""
+    try:
+        list(repl.run(step_fn, batches(repl.replica_id, STEPS), steps=4 * STEPS,
+                      timeline=os.path.join(directory, "failed.json")))
+    except ValueError as error:
+        raised = str(error)
     return {"hooks_off": hooks_off, "hooks_on": hooks_on_, "hooks_after": hooks_after,
-            "written": written, "path": path}
+            "written": written, "path": path, "raised": raised}
 
 
 def test_a_two_replica_run_leaves_one_trace_of_every_process(tmp_path: Any) -> None:
@@ -140,6 +153,9 @@ def test_a_two_replica_run_leaves_one_trace_of_every_process(tmp_path: Any) -> N
         for event in mine:
             by_name[event["name"]].append(event)
         assert [e["args"]["step"] for e in by_name["step"]] == [3, 4, 5]
+        # checkpoint_every=3: one save, between step 5 and the end of the run.
+        assert [e["args"]["step"] for e in by_name["checkpoint save"]] == [6]
+        assert by_name["checkpoint save"][0]["ts"] >= by_name["step"][-1]["ts"] + by_name["step"][-1]["dur"]
         for name in ("forward", "backward", "optimizer step", "gradient wait", "agreement wait", "log the loss"):
             assert len(by_name[name]) == STEPS, (rank, name, len(by_name[name]))
             assert all(inside(e, by_name["step"]) for e in by_name[name]), name
@@ -155,7 +171,16 @@ def test_a_two_replica_run_leaves_one_trace_of_every_process(tmp_path: Any) -> N
     # REPLICATOR_TIMELINE=1: timeline-<time>.json in the current directory, both processes in it.
     written = glob.glob(str(tmp_path / "env" / "timeline-*.json"))
     assert len(written) == 1
-    check_tracks(load(written[0]), 2)
+    left_early = load(written[0])
+    check_tracks(left_early, 2)
+    assert [sum(e["name"] == "step" for e in of_rank(left_early, rank)) for rank in (0, 1)] == [1, 1]
+    # The failed run: no merged trace, each process's own.
+    assert [r["raised"] for r in results] == ["a step that fails on every replica"] * 2
+    assert not (tmp_path / "failed.json").exists()
+    for rank in (0, 1):
+        partial = load(str(tmp_path / f"failed.rank{rank}.json"))
+        assert [p["label"] for p in partial["otherData"]["processes"]] == [f"rank {rank}: replica {rank}"]
+        assert {e["pid"] for e in complete(partial)} == {rank + 1} and partial["otherData"]["incomplete"]
 
 
 # -- pipeline stages, on two (simulated) machines -----------------------------------------------------
