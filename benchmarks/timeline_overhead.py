@@ -52,9 +52,10 @@ def _batches(replica: int, features: int, batch: int) -> Iterator[tuple[torch.Te
         yield from fixed
 
 
-def _measure(repeats: int, steps: int, features: int, hidden: int, batch: int, directory: str) -> dict[str, Any]:
+def _measure(repeats: int, steps: int, features: int, hidden: int, batch: int, directory: str,
+             reducer: str) -> dict[str, Any]:
     torch.set_num_threads(1)
-    repl = rp.Replicator(bucket_cap_mb=0.25)
+    repl = rp.Replicator(bucket_cap_mb=0.25, reducer=reducer)
     with repl.scope():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
@@ -140,12 +141,13 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--batch", type=int, default=32, help="per replica")
+    parser.add_argument("--reducer", default="auto", help="rp.Replicator(reducer=...): auto is shared memory here")
     add_json_argument(parser, "timeline_overhead")
     args = parser.parse_args()
     header = machine()
     with tempfile.TemporaryDirectory() as directory:
         figures = run_replicas(_measure, 2, args.repeats, args.steps, args.features, args.hidden, args.batch,
-                               directory, timeout_s=1800)[0]
+                               directory, args.reducer, timeout_s=1800)[0]
     # Higher is better for compare(): steps per second.
     rates = {name: [1.0 / s for s in values] for name, values in figures["step_s"].items()}
     comparison = compare(rates, peer="plain")
