@@ -21,6 +21,7 @@ LOCAL_LINK = "REPLICATOR_LOCAL_LINK"  # 0: keep every message on the group's bac
 ATTEMPT = "REPLICATOR_ATTEMPT"  # which restart of the job this is, set by the launcher
 MAX_RESTARTS = "REPLICATOR_MAX_RESTARTS"  # the launcher's --max-restarts, for the job to read
 RUNS = "REPLICATOR_RUNS"  # where run() records its runs (default "runs"); 0 records none
+TIMELINE = "REPLICATOR_TIMELINE"  # 1: every run() writes timeline-<time>.json; a path: there; 0: none
 
 _TRUE = ("1", "true", "yes", "on")
 # The root of run records, relative to the working directory, as TensorBoard's and Lightning's are.
@@ -101,3 +102,11 @@ def runs_root() -> str | None:
     if value.lower() in ("0", "off", "false", "no"):
         return None
     return value or DEFAULT_RUNS
+
+
+def timeline() -> bool | str:
+    """REPLICATOR_TIMELINE: True ("1", "true", ...), False (unset, "0", "false", ...) or the path of the trace."""
+    value = os.environ.get(TIMELINE, "").strip()
+    if value.lower() in ("", "0", "false", "no", "off"):
+        return False
+    return True if value.lower() in _TRUE else value

@@ -19,6 +19,7 @@ from replicator.epochs import EpochStream
 from replicator.errors import NonFiniteError, ReplicaMismatchError, ReplicatorUsageError
 from replicator.health import OutputCheck
 from replicator.sync.state import GradientState
+from replicator.timeline import recorder as timeline
 
 __all__ = ["StepLoop", "Observer", "RunOutcome", "Checkpointer", "check_run_arguments"]
 
@@ -145,11 +146,13 @@ class StepLoop:
         checks: deque[OutputCheck] = deque()  # outputs not yet judged finite, oldest first
         judged: OutputCheck | None = None  # the one the latest announcement carries
         self.state.in_run = True
+        recording = timeline.active()  # the run's timeline, if it records one: a span per step
         try:
             batch, has_batch = self._next_batch(iterator, observers)
             pending = self._announce(step, batch, has_batch, steps, None)
             while steps is None or step < steps:
                 started = time.perf_counter()
+                began = timeline.clock() if recording is not None else 0.0
                 if pending is not None:
                     if self._must_stop(step, pending, has_batch, outcome.ended_early, judged):
                         break
@@ -185,6 +188,8 @@ class StepLoop:
                     self.state.end_step()
                     self.context.sample_share = None
                 check_output(output)
+                if recording is not None:
+                    recording.add("step", "step", began, timeline.clock(), args={"step": step})
                 if self.nonfinite == "raise":
                     checks.append(OutputCheck(output, step))
                     self._collective_inputs.close_step(step)
@@ -217,7 +222,8 @@ class StepLoop:
     def _next_batch(iterator: Iterator[Any], observers: list[Observer]) -> tuple[Any, bool]:
         started = time.perf_counter()
         try:
-            batch, has_batch = next(iterator), True
+            with timeline.span("input wait", "input"):
+                batch, has_batch = next(iterator), True
         except StopIteration:
             batch, has_batch = None, False
         for observer in observers:
@@ -247,7 +253,8 @@ class StepLoop:
     def _must_stop(self, step: int, pending: PendingAgreement, has_batch: bool, ended_early: list[int],
                    judged: OutputCheck | None) -> bool:
         """True when some replica has no batch for this step; raises on unequal batch sizes."""
-        verdict = pending.wait()
+        with timeline.span("agreement wait", "agreement", step=step):
+            verdict = pending.wait()
         self._judge(verdict, judged)
         (has_max, size_max, _), (has_min, size_min, _) = verdict.maxima, verdict.minima
         if has_min == 0:

@@ -32,6 +32,7 @@ from replicator.sync.optimizer import SyncedOptimizers
 from replicator.sync.precision import MixedPrecision, Precision
 from replicator.sync.reducers import Reducer, make_reducer
 from replicator.telemetry import Progress, StepTimes, summarize_run
+from replicator.timeline.session import recorded
 
 if TYPE_CHECKING:
     from replicator.checkpoint import Restored
@@ -254,11 +255,13 @@ class Replicator:
         """Call input_fn once for this replica's input pipeline; batches go to its device."""
         return ReplicatedInput(self.regime.input_fn(input_fn), self._input.context, self.device)
 
+    @recorded  # timeline=: the spans of every process, merged into one Chrome trace (replicator.timeline)
     def run(self, step_fn: Callable[[ReplicaContext, Any], Any], inputs: Iterable[Any], steps: int | None = None, *,
             epochs: int | None = None, progress: bool | None = None, warmup_steps: int = 5, update_period: int = 100,
             checkpoint_every: int | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
             keep: int = 3, actor_fn: Callable[..., Any] | None = None,
-            record: bool | str | os.PathLike[str] = True, name: str | None = None) -> Iterator[tuple[int, Any]]:
+            record: bool | str | os.PathLike[str] = True, name: str | None = None,
+            timeline: bool | str | os.PathLike[str] | None = None) -> Iterator[tuple[int, Any]]:
         """Run `step_fn(ctx, batch)` on every replica; yield `(step, output)` for each step.
 
         `inputs`: `repl.prepare_input(input_fn)`, a DataLoader (split across replicas) or any iterable of this
@@ -271,6 +274,7 @@ class Replicator:
         (parameters, optimizers, schedulers, step, epoch and place in it, random generators) without reading the
         batches before that place; with `checkpoint_every=N` it saves after every N-th step, keeping `keep`.
         The main process records the run (`repl.record`) in runs/<time>-<name>, `record` (a path) or not (False).
+        `timeline=True` (or a file path, or REPLICATOR_TIMELINE=1) writes every process's spans as one Chrome trace.
         """
         check_run_arguments(steps, checkpoint_every, checkpoint_dir, self.optimizers.state.accumulation, epochs)
         self.record = RunRecord.open(record, name, self.job, self.arguments, self.reducer, self._trained_modules())

@@ -15,6 +15,7 @@ from replicator.asynchronous.roles import Roles, shards_fed_by
 from replicator.asynchronous.transitions import Transition, TransitionSpec, as_tensor
 from replicator.asynchronous.variables import VariableSink
 from replicator.errors import ReplicatorError, ReplicatorUsageError
+from replicator.timeline import recorder as timeline
 
 __all__ = ["ActorContext", "ActorLearnerError"]
 
@@ -53,6 +54,7 @@ class ActorContext:
         self._blocked: set[int] = set()  # shards whose limiter last said this actor runs ahead
         self._polled = 0.0
         self.started = time.monotonic()
+        self._acting_since = timeline.clock()  # the end of this actor's last add() or weight pull (its timeline)
         self.figures = {"transitions_sent": 0, "pulls": 0, "pull_seconds": 0.0, "wait_seconds": 0.0}
 
     # -- what actor_fn calls -------------------------------------------------------------------------
@@ -80,6 +82,9 @@ class ActorContext:
                                        "with actor.update_weights() and reads actor.counters()")
         if self._done:
             return
+        recording = timeline.active()
+        if recording is not None:  # what actor_fn did since its last call here: act, and step the environment
+            recording.add("env step", "actor", self._acting_since, timeline.clock(), args={"env_step": self.env_steps})
         obs = as_tensor(observation, "observation", self.who)
         act = as_tensor(action, "action", self.who)
         next_obs = as_tensor(next_observation, "next_observation", self.who)
@@ -90,12 +95,20 @@ class ActorContext:
         transitions = self._adder.add(obs, act, reward_value, next_obs, *ended)
         self.env_steps += 1
         if transitions:
-            self._send(transitions)
+            with timeline.span("send transitions", "actor", transitions=len(transitions)):
+                self._send(transitions)
         if self.env_steps % self.update_period == 0 and not self._done:
             self.update_weights()
+        if recording is not None:
+            self._acting_since = timeline.clock()
 
     def update_weights(self) -> None:
         """Pull the learners' newest weights into this process's modules now (never waits for a learner step)."""
+        with timeline.span("weight pull", "actor", env_step=self.env_steps):
+            self._pull_weights()
+        self._acting_since = timeline.clock()
+
+    def _pull_weights(self) -> None:
         started = time.monotonic()
         learner = self.actor_id % self.roles.learners
         while True:

@@ -34,6 +34,7 @@ from replicator.job import Job
 from replicator.scope import ModelScope
 from replicator.sync.optimizer import SyncedOptimizers
 from replicator.telemetry import StepTimes
+from replicator.timeline import recorder as timeline
 
 __all__ = ["ActorLearnerRegime", "ActorFn", "Roles", "serves_this_run", "job_shape", "regime_for"]
 
@@ -113,9 +114,10 @@ class ActorLearnerRegime(Regime):
         actor = ActorContext(self.roles, self.everyone, self.replay, sink, self.update_period, self.runs)
         torch.manual_seed(actor.seed)  # exploration noise differs between actors, however the script seeded
         try:
-            actor.update_weights()
             assert self.actor_fn is not None
-            self.actor_fn(actor)
+            with timeline.span("actor", "actor"):  # its first weight pull, then actor_fn
+                actor.update_weights()
+                self.actor_fn(actor)
         except ActorLearnerError:
             raise  # another process's failure, relayed: its own message says what happened
         except BaseException as error:
@@ -154,7 +156,8 @@ class ActorLearnerRegime(Regime):
         assert replay is not None and replay.shard is not None and service is not None and variables is not None
         shard = replay.shard
         while True:
-            variables.publish(self.optimizers.state.step)
+            with timeline.span("publish weights", "learner", step=self.optimizers.state.step):
+                variables.publish(self.optimizers.state.step)
             if self._ending():
                 return
             with shard.lock:

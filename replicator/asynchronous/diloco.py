@@ -28,6 +28,7 @@ from replicator.job import Job
 from replicator.sync.bucket import Bucket, Reducer, assign_buckets
 from replicator.sync.optimizer import SyncedOptimizers
 from replicator.sync.reducers import make_reducer
+from replicator.timeline import recorder as timeline
 from replicator.topology import ProcessGroups, build_regrouped
 
 __all__ = ["DiLoCo", "OuterOptimizer", "diloco_for", "nesterov_outer_optimizer", "wire_bytes"]
@@ -261,6 +262,10 @@ class DiLoCo:
     # -- the outer step ----------------------------------------------------------------------
     def outer_step(self, when: str) -> None:
         """Average the pseudo-gradients over the groups and apply the outer optimizer; every replica calls it."""
+        with timeline.span("outer step", "diloco", outer_step=self.outer_steps, groups=self.num_groups):
+            self._outer_step(when)
+
+    def _outer_step(self, when: str) -> None:
         state = self._round
         assert state is not None, "begin() comes first"
         if self._mid_accumulation():

@@ -24,6 +24,7 @@ from replicator.errors import ReplicatorUsageError
 from replicator.job import Job
 from replicator.sync.optimizer import SyncedOptimizers
 from replicator.telemetry import StepTimes
+from replicator.timeline import recorder as timeline
 
 __all__ = ["AsyncRegime", "Regime"]
 
@@ -52,7 +53,8 @@ class Regime:
     def save(self, path: str | os.PathLike[str], objects: dict[str, Any], step: int, input_state: dict[str, Any],
              extra: dict[str, Any] | None, keep: int | None) -> Path:
         """Write a checkpoint (`objects`: checkpoint.save's keyword arguments); every process calls it."""
-        return checkpoint.save(path, **objects, step=step, input_state=input_state, extra=extra, keep=keep)
+        with timeline.span("checkpoint save", "checkpoint", step=step):
+            return checkpoint.save(path, **objects, step=step, input_state=input_state, extra=extra, keep=keep)
 
     def restore(self, path: str | os.PathLike[str], objects: dict[str, Any]) -> checkpoint.Restored:
         """Load a checkpoint into `objects` (checkpoint.restore's keyword arguments); every process calls it."""
@@ -114,7 +116,8 @@ class AsyncRegime(Regime):
     # -- a server ----------------------------------------------------------------------------
     def serve(self) -> dict[str, Any]:
         """A server's whole run(): serve, then hold the final model; returns what repl.last_run shows."""
-        return {"asynchronous": self._serving().serve()}
+        with timeline.span("serve", "server"):
+            return {"asynchronous": self._serving().serve()}
 
     def _serving(self) -> ParameterServer:
         groups = self.job.groups

@@ -16,12 +16,16 @@ from replicator.asynchronous import wire
 from replicator.asynchronous.shards import Shard, ShardMap
 from replicator.asynchronous.staleness import StalenessRecord
 from replicator.identity import broadcast_from_first
+from replicator.timeline import recorder as timeline
 from replicator.topology import Mesh
 
 __all__ = ["ParameterServer", "DIED", "HUNG", "HEADER", "reply_header_size"]
 
 HEADER = 4  # a request's header: kind, optimizer, the group's step, the group
 DIED, HUNG = 1, 2  # how a departed group left, as the replies report it
+# Each request as the timeline names the server's span of handling it.
+_SPAN_NAMES: dict[int | None, str] = {wire.PULL: "serve pull", wire.PUSH: "serve push", wire.SAVE: "serve save",
+                                      wire.DONE: "serve finish"}
 
 
 def reply_header_size(num_groups: int) -> int:
@@ -95,21 +99,28 @@ class ParameterServer:
                 wire.idle_sleep(idle_since)
             else:
                 idle_since = now
-                self._handle(group)
+                began = timeline.clock()
+                kind = self._handle(group)
                 self._advance()
+                if (recording := timeline.active()) is not None:
+                    recording.add(_SPAN_NAMES.get(kind, "serve request"), "server", began, timeline.clock(),
+                                  args={"group": group})
             if self.saving and self.active <= self.saving:  # every group still in the run is at the cut
-                self._save()
+                with timeline.span("checkpoint save", "checkpoint"):
+                    self._save()
                 if until_saved:
                     return {}
         for group in sorted(self.finished):
             self._reply(group, -1, range(len(self.books)))
         self._drain()
-        self._share_final_parameters()
+        with timeline.span("share final parameters", "server"):
+            self._share_final_parameters()
         return {"role": "server", "server": self.index, "versions": [book.version for book in self.books],
                 "applied_per_group": list(self.applied), "departed": dict(self.departed),
                 "seconds": time.monotonic() - started, **self.record.summary()}
 
-    def _handle(self, group: int) -> None:
+    def _handle(self, group: int) -> int | None:
+        """Receive and take in one request of `group`; its kind (None: the group failed mid-request)."""
         leader = self.groups[group][0]
         header = torch.empty(HEADER, dtype=torch.int64)
         try:
@@ -119,10 +130,10 @@ class ParameterServer:
             gradient = self._receive_gradient(leader, optimizer) if kind == wire.PUSH else None
         except RuntimeError as error:
             self._depart(group, DIED, f"its leader (rank {leader}) failed mid-request: {error}")
-            return
+            return None
         if group in self.departed:  # declared hung, yet here: tell it, so it stops with a clear error
             self._reply(group, -1, [], status=wire.FAILED)
-            return
+            return kind
         if kind == wire.PULL:
             self._reply(group, -1, range(len(self.books)))
             for book in self.books:
@@ -137,6 +148,7 @@ class ParameterServer:
             self.finished.add(group)
             for book in self.books:
                 book.pulled.pop(group, None)
+        return kind
 
     def _receive_gradient(self, leader: int, optimizer: int) -> _Gradient:
         book = self.books[optimizer]
@@ -151,7 +163,8 @@ class ParameterServer:
     def _advance(self) -> None:
         for index, book in enumerate(self.books):
             if book.pending and self._may_advance(book):
-                self._apply(index, book)
+                with timeline.span("apply update", "server", optimizer=index, gradients=len(book.pending)):
+                    self._apply(index, book)
 
     def _may_advance(self, book: _Book) -> bool:
         """Would one more update leave every group still computing within the bound?

@@ -23,6 +23,7 @@ from replicator.asynchronous.replay import ReplayShard
 from replicator.asynchronous.roles import Roles
 from replicator.asynchronous.transitions import TransitionSpec
 from replicator.asynchronous.variables import VariableSource
+from replicator.timeline import recorder as timeline
 
 __all__ = ["LearnerService"]
 
@@ -128,7 +129,8 @@ class LearnerService:
                 wire.idle_sleep(idle_since)
                 continue
             idle_since = now
-            self._handle(actor, now)
+            with timeline.span("serve actor", "service", timeline.SERVICE, actor=actor):
+                self._handle(actor, now)
 
     def _handle(self, actor: int, now: float) -> None:
         rank = self.roles.actor_rank(actor)

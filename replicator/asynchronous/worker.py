@@ -18,9 +18,13 @@ from replicator.asynchronous.staleness import StalenessRecord
 from replicator.checkpoint.errors import CheckpointError
 from replicator.errors import ReplicatorError
 from replicator.identity import broadcast_from_first
+from replicator.timeline import recorder as timeline
 from replicator.topology import Mesh
 
 __all__ = ["GroupExchange", "ServerError"]
+
+# Each request as the timeline names its span.
+_SPAN_NAMES = {wire.PULL: "pull", wire.PUSH: "push", wire.SAVE: "save at cut", wire.DONE: "finish"}
 
 
 class ServerError(ReplicatorError):
@@ -69,7 +73,10 @@ class GroupExchange:
 
     # -- how -------------------------------------------------------------------------------------
     def _exchange(self, kind: int, index: int | None, optimizers: Iterable[int]) -> None:
-        optimizers = list(optimizers)
+        with timeline.span(_SPAN_NAMES[kind], "async", step=self.step, group=self.group_id):
+            self._exchange_with_servers(kind, index, list(optimizers))
+
+    def _exchange_with_servers(self, kind: int, index: int | None, optimizers: list[int]) -> None:
         started = time.perf_counter()
         # The leader's verdict travels to the group first (point to point: see _share_verdict): on a
         # server's failure every member raises the same error instead of waiting for parameters that
@@ -122,6 +129,15 @@ class GroupExchange:
     def _leader_exchange(self, kind: int, index: int | None, optimizers: list[int], verdict: torch.Tensor) -> str:
         """Request from every server, then read every answer; returns an error message, or ""."""
         sent: list[tuple[Any, torch.Tensor]] = []
+        failure = self._send_requests(kind, index, verdict, sent)
+        if failure:
+            return failure
+        with timeline.span("wait on servers", "async"):
+            return self._read_answers(optimizers, verdict, sent)
+
+    def _send_requests(self, kind: int, index: int | None, verdict: torch.Tensor,
+                       sent: list[tuple[Any, torch.Tensor]]) -> str:
+        """Post a request (and for a push, the gradient) to every server; an error message, or ""."""
         for server, tickets in enumerate(self.tickets):
             try:
                 tickets.post(self.group_id)
@@ -138,6 +154,10 @@ class GroupExchange:
                 sent += [(dist.isend(t, dst=dst, group=self.everyone, tag=wire.TAG_REQUEST), t) for t in tensors]
             except RuntimeError as error:
                 return self._failed(verdict, server, "could not be reached", error)
+        return ""
+
+    def _read_answers(self, optimizers: list[int], verdict: torch.Tensor, sent: list[tuple[Any, torch.Tensor]]) -> str:
+        """Every server's answer, its parameters into place; an error message, or ""."""
         verdict[0] = wire.OK
         header = torch.empty(reply_header_size(len(self.mesh.group_partition)), dtype=torch.int64)
         for server in range(self.num_servers):

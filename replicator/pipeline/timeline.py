@@ -1,7 +1,8 @@
 """What each stage did when: recorded actions, exported as a Chrome trace (Perfetto) or a Gantt chart.
 
-Times are wall-clock seconds (time.time()), so stages in different processes, and on
-machines whose clocks are synchronised, line up on one axis.
+Times are the job timeline's clock (replicator.timeline: wall-clock seconds), so stages in
+different processes, and on machines whose clocks are synchronised, line up on one axis. While
+run(timeline=...) records, every action is also a span of the run's timeline.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from replicator.pipeline.bubble import idle_share
 from replicator.pipeline.schedule import Op, Schedule, TimedAction, timed_simulation
+from replicator.timeline import recorder
+from replicator.timeline.trace import complete_event, process_metadata, thread_metadata
 
 __all__ = ["Event", "Timeline", "gather_events", "events_from_simulation", "chrome_trace", "write_chrome_trace",
            "plot_gantt", "measured_bubble"]
@@ -65,8 +67,14 @@ class Event:
         return self.op in _COMPUTE
 
 
+def action_label(op: str, microbatch: int, chunk: int = 0) -> str:
+    """How an action reads on a timeline: "F 3", "send act 2", "B 1 v1" (chunk 1 of a stage's virtual stages)."""
+    return f"{_LABEL.get(op, op)} {microbatch}" + (f" v{chunk}" if chunk else "")
+
+
 class Timeline:
-    """The events one stage recorded; `record()` times one action."""
+    """The events one stage recorded in its last step; `record()` times one action (and hands it to the run's
+    timeline while one records)."""
 
     def __init__(self, stage: int, replica: int = 0, enabled: bool = True) -> None:
         self.stage = stage
@@ -79,11 +87,15 @@ class Timeline:
         if not self.enabled:
             yield
             return
-        start = time.time()
+        start = recorder.clock()
         try:
             yield
         finally:
-            self.events.append(Event(self.stage, op, microbatch, start, time.time(), self.replica, chunk))
+            end = recorder.clock()
+            self.events.append(Event(self.stage, op, microbatch, start, end, self.replica, chunk))
+            if (run := recorder.active()) is not None:
+                run.add(action_label(op, microbatch, chunk), op, start, end,
+                        args={"stage": self.stage, "microbatch": microbatch, "chunk": chunk})
 
     def clear(self) -> None:
         self.events.clear()
@@ -126,25 +138,16 @@ def measured_bubble(events: Sequence[Event]) -> float:
 
 
 def chrome_trace(events: Sequence[Event]) -> dict[str, Any]:
-    """The events as a Chrome trace (open in ui.perfetto.dev or chrome://tracing): a row per stage."""
+    """The events as a Chrome trace (open in ui.perfetto.dev or chrome://tracing): a process per replica (pid
+    replica + 1: Perfetto takes pid 0 for the kernel's idle task), a thread per stage (tid = stage)."""
     origin = min((e.start for e in events), default=0.0)
     trace: list[dict[str, Any]] = []
+    for replica in sorted({e.replica for e in events}):
+        trace += process_metadata(replica + 1, f"replica {replica}")
     for replica, stage in sorted({(e.replica, e.stage) for e in events}):
-        trace.append({"name": "process_name", "ph": "M", "pid": replica, "args": {"name": f"replica {replica}"}})
-        lane = {"ph": "M", "pid": replica, "tid": stage}
-        trace.append({"name": "thread_name", **lane, "args": {"name": f"stage {stage}"}})
-        trace.append({"name": "thread_sort_index", **lane, "args": {"sort_index": stage}})
-    for e in events:
-        trace.append({
-            "name": f"{_LABEL.get(e.op, e.op)} {e.microbatch}" + (f" v{e.chunk}" if e.chunk else ""),
-            "cat": e.op,
-            "ph": "X",
-            "ts": (e.start - origin) * 1e6,
-            "dur": max(0.0, e.end - e.start) * 1e6,
-            "pid": e.replica,
-            "tid": e.stage,
-            "args": asdict(e),
-        })
+        trace += thread_metadata(replica + 1, stage, f"stage {stage}")
+    trace += [complete_event(action_label(e.op, e.microbatch, e.chunk), e.op, e.start, e.end, e.replica + 1,
+                             e.stage, origin, asdict(e)) for e in events]
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from replicator.comm.agreement import PendingAgreement
+from replicator.timeline.recorder import InFlight
 
 __all__ = ["Bucket", "assign_buckets", "Allocator", "Reducer", "PendingReduction"]
 
@@ -73,6 +74,8 @@ class Bucket:
     # Gradients that carry a graph (backward(create_graph=True)), by position: the average
     # handed back stays differentiable through this replica's share.
     graphs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Its reduction's timeline span while one is recorded (replicator.timeline.InFlight).
+    in_flight: InFlight | None = None
 
     def __post_init__(self) -> None:
         self.views = [self.buffer[start : start + param.numel()].view_as(param)
@@ -135,6 +138,7 @@ class Bucket:
         self.launched = False
         self.pending = None
         self.arrival = None
+        self.in_flight = None
 
 
 Allocator = Callable[[int, torch.dtype, torch.device], "torch.Tensor | None"]

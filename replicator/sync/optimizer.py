@@ -20,6 +20,7 @@ from replicator.nn.spectral import spectral_normed
 from replicator.sync.reducers import Reducer
 from replicator.sync.state import GradientState, UpdateCount
 from replicator.sync.synchronizer import GradientSynchronizer
+from replicator.timeline import recorder as timeline
 
 if TYPE_CHECKING:
     from replicator.sync.precision import LossScale
@@ -129,6 +130,10 @@ class SyncedOptimizers:
             count.stepped = False
             if count.calls % state.accumulation:
                 return None
+            with timeline.span("optimizer step", "optimizer", optimizer=synchronizer.label, step=state.step):
+                return updated(closure)
+
+        def updated(closure: Callable[[], Any] | None) -> Any:
             if closure is None:
                 synchronizer.finalize()
                 if (self.nonfinite == "skip" or self.loss_scale is not None) and not self._goes_ahead(wrapped):

@@ -34,6 +34,7 @@ from replicator.health import finite_sum
 from replicator.sync.bucket import Bucket, Reducer, assign_buckets
 from replicator.sync.sparse import sparse_parameters, sum_sparse
 from replicator.sync.state import GradientState, UpdateCount
+from replicator.timeline import recorder as timeline
 
 __all__ = ["GradientSynchronizer"]
 
@@ -204,7 +205,14 @@ class GradientSynchronizer:
             self.agreement.require_same(what, call_site())
             self.on_wait(time.perf_counter() - started)
         bucket.launched = True
+        recording = timeline.active()
+        launched = timeline.clock() if recording is not None else 0.0
         bucket.pending = self.reducer.reduce(bucket.buffer, self.group, bucket)  # type: ignore[arg-type]
+        if recording is not None:  # from launch to completion, on a track of its own: buckets overlap
+            bucket.in_flight = timeline.InFlight(
+                recording, f"bucket {bucket.index}", "communication", launched, bucket.pending, timeline.BUCKETS,
+                {"bucket": bucket.index, "optimizer": self.label, "step": self.state.step, "round": self._rounds,
+                 "bytes": bucket.numel * bucket.buffer.element_size(), "reducer": getattr(self.reducer, "name", "")})
         self._next_bucket = bucket.index + 1
 
     def _finish_round(self) -> None:
@@ -224,6 +232,10 @@ class GradientSynchronizer:
         self._reduced = False
 
     def _wait_all(self) -> None:
+        with timeline.span("gradient wait", "communication", optimizer=self.label):
+            self._wait_for_buckets()
+
+    def _wait_for_buckets(self) -> None:
         started = time.perf_counter()
         if self._agreement_in_flight is not None:
             in_flight, self._agreement_in_flight = self._agreement_in_flight, None
@@ -235,6 +247,9 @@ class GradientSynchronizer:
                 except RuntimeError as error:
                     where = f"gradient bucket {bucket.index} of {self.label}"
                     raise_with_stragglers(self.agreement.group, where, error, debug=self.debug)
+                if bucket.in_flight is not None:
+                    bucket.in_flight.close(bucket.pending)
+                    bucket.in_flight = None
                 bucket.pending = None
         self.on_wait(time.perf_counter() - started)
 

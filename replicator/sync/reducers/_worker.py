@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -23,6 +24,7 @@ class PendingWork:
         self.label = label
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self.finished_at: float | None = None  # wall-clock time the job ended (a timeline's completion)
 
     def _run(self, earlier_failure: BaseException | None) -> BaseException | None:
         try:
@@ -34,6 +36,7 @@ class PendingWork:
         except BaseException as error:  # delivered to whoever waits, on the caller's thread
             self._error = error
         finally:
+            self.finished_at = time.time()
             self._done.set()
         return self._error
 
