@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from replicator import _env
 from replicator._tree import named_leaves
@@ -133,8 +134,10 @@ def job_config(arguments: dict[str, Any], job: Job, reducer: object, modules: li
         "model": {
             # Of the modules this process trains: with pipeline stages, stage 0's share of the model.
             "of": "the whole model" if mesh.stages == 1 else "stage 0 (this process's stage)",
-            "parameters": sum(p.numel() for p in parameters.values()),
-            "parameter_bytes": sum(p.numel() * p.element_size() for p in parameters.values()),
+            # A lazy module's parameters have no size before its first forward: left out (and counted as lazy).
+            "parameters": sum(p.numel() for p in parameters.values() if not is_lazy(p)),
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in parameters.values() if not is_lazy(p)),
+            "lazy_parameters": sum(is_lazy(p) for p in parameters.values()),
             "modules": [type(module).__name__ for module in modules],
         },
         "versions": {"replicator": _version("replicator"), "torch": torch.__version__,

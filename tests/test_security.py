@@ -42,6 +42,9 @@ EXEMPT = PACKAGE / "testing"
 PEER_OBJECT_CALLS = {"all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
                      "send_object_list", "recv_object_list"}
 CODE_CALLS = {"eval", "exec", "compile", "__import__"}
+# The one import of code by name: `replicator plan --model-from package.module:factory`, a module the user
+# names on their own command line, as `python -m` does; never a name that comes from a peer or a file.
+IMPORTS_BY_NAME = {"replicator/cli/plan.py"}
 UNPICKLING = {("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler"), ("marshal", "load"),
               ("marshal", "loads"), ("shelve", "open"), ("dill", "load"), ("dill", "loads"), ("yaml", "load"),
               ("yaml", "unsafe_load"), ("cloudpickle", "load"), ("cloudpickle", "loads")}
@@ -92,7 +95,9 @@ def _where(path: Path, node: ast.AST) -> str:
 
 def test_the_core_never_evaluates_code() -> None:
     offenders = [_where(path, node) for path in _sources() for node, owner, name in _calls(path)
-                 if (not owner and name in CODE_CALLS) or (owner == "importlib" and name == "import_module")]
+                 if (not owner and name in CODE_CALLS)
+                 or (owner == "importlib" and name == "import_module"
+                     and str(path.relative_to(ROOT)) not in IMPORTS_BY_NAME)]
     assert not offenders, f"eval/exec/compile/__import__ in the core: {offenders}"
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from replicator.plan import presets, published
@@ -176,7 +178,8 @@ def _profile(options: argparse.Namespace) -> tuple[str, GradientProfile | None, 
     if options.input_shape is not None and options.model_from is None:
         raise ValueError("--input-shape describes the input of --model-from; give --model-from too")
     if options.model_from is not None:
-        profile = from_factory(options.model_from, options.input_shape, options.input_dtype)
+        profile = from_factory(load_factory(options.model_from), options.model_from, options.input_shape,
+                               options.input_dtype)
         return options.model_from, profile, float(profile.params), profile.forward_flops
     if options.params is not None:
         return "custom", None, options.params, None
@@ -366,3 +369,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_arguments(parser)
     parser.set_defaults(run=main)
+
+
+def load_factory(spec: str) -> Callable[[], object]:
+    """The callable `package.module:factory` names: the one import of user code by name in replicator, asked for
+    on the command line as `python -m` is."""
+    module_name, colon, attribute = spec.partition(":")
+    if not colon or not module_name or not attribute:
+        raise ValueError(f"--model-from expects package.module:factory, got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # ImportError, or whatever the module raises while importing
+        raise ValueError(f"--model-from {spec}: cannot import {module_name!r} ({type(error).__name__}: {error}); "
+                         "is it on PYTHONPATH?") from error
+    factory = module
+    for part in attribute.split("."):
+        if not hasattr(factory, part):
+            raise ValueError(f"--model-from {spec}: {module_name!r} has no attribute {attribute!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise ValueError(f"--model-from {spec}: {attribute!r} is not callable")
+    return factory

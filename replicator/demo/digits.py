@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "last_loss": sum(tail) / max(len(tail), 1),
         "train_seconds": train_seconds,
         "threads": torch.get_num_threads(),
+        "run_dir": run.get("run_dir"),  # the run's record (replicator report reads it)
     }
     speed = (f"{result['images_per_second']:,.0f} images/s, "
              f"communication {100 * result['communication_share']:.1f}% of step time")

@@ -89,6 +89,10 @@ def run_demo(replicas: int = 2, epochs: int = 12) -> int:
     single = {**before, "images_per_second": sum(runs) / 2, "images_per_second_runs": runs,
               "step_time_ms": (before["step_time_ms"] + after["step_time_ms"]) / 2}
     console.print(_report(single, many, replicas, time.perf_counter() - started))
+    records = [run["run_dir"] for run in (before, many) if run.get("run_dir")]
+    if len(records) == 2:
+        console.print(f"The runs are recorded in {records[0]} and {records[1]}: "
+                      f"`replicator report {' '.join(records)}` summarizes and plots them.")
     if many["test_accuracy"] < ACCURACY_TARGET:
         console.print(f"[red]test accuracy {100 * many['test_accuracy']:.2f}% "
                       f"is below {100 * ACCURACY_TARGET:.0f}%[/red]")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -169,9 +168,10 @@ def _count_flops(module: torch.nn.Module, example: torch.Tensor) -> tuple[dict[s
     return own, float(counter.get_total_flops()) / batch
 
 
-def from_factory(spec: str, input_shape: Sequence[int] | None = None,
+def from_factory(factory: Callable[[], object], spec: str, input_shape: Sequence[int] | None = None,
                  input_dtype: str = "float32") -> GradientProfile:
-    """Build `package.module:factory` on the meta device (no memory, no data) and read its profile.
+    """Build the module `factory` makes (`spec`: package.module:factory, for messages) on the meta device (no memory,
+    no data) and read its profile.
 
     `input_shape` is one sample's shape without the batch dimension (3,224,224 for an
     image; 512 for a sequence of token ids with `input_dtype` "long"); given, FLOPs are
@@ -179,7 +179,6 @@ def from_factory(spec: str, input_shape: Sequence[int] | None = None,
     """
     import torch
 
-    factory = _load(spec)
     try:
         with torch.device("meta"):
             module = factory()
@@ -200,22 +199,3 @@ def from_factory(spec: str, input_shape: Sequence[int] | None = None,
     except Exception as error:
         raise ValueError(f"--model-from {spec}: forward on an input of shape {tuple(input_shape or ())} failed "
                          f"({type(error).__name__}: {error}); check --input-shape and --input-dtype") from error
-
-
-def _load(spec: str) -> Callable[[], object]:
-    module_name, colon, attribute = spec.partition(":")
-    if not colon or not module_name or not attribute:
-        raise ValueError(f"--model-from expects package.module:factory, got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # ImportError, or whatever the module raises while importing
-        raise ValueError(f"--model-from {spec}: cannot import {module_name!r} ({type(error).__name__}: {error}); "
-                         "is it on PYTHONPATH?") from error
-    factory = module
-    for part in attribute.split("."):
-        if not hasattr(factory, part):
-            raise ValueError(f"--model-from {spec}: {module_name!r} has no attribute {attribute!r}")
-        factory = getattr(factory, part)
-    if not callable(factory):
-        raise ValueError(f"--model-from {spec}: {attribute!r} is not callable")
-    return factory
