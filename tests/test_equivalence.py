@@ -13,7 +13,7 @@ GLOBAL_BATCH = 16
 STEPS = 3
 ATOL = 1e-5
 CASES = ["sgd", "adam", "accumulate", "unused", "frozen", "batchnorm", "clip_schedule", "torch_clip", "gan",
-         "two_backwards", "reentrant"]
+         "two_backwards", "accumulate_two_backwards", "reentrant"]
 
 
 class WithUnused(torch.nn.Module):
@@ -118,7 +118,7 @@ def reference(case: str) -> list[torch.Tensor]:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     for step in range(STEPS):
         x, y = global_batch(step)
-        if case == "two_backwards":
+        if case in ("two_backwards", "accumulate_two_backwards"):
             optimizer.zero_grad(set_to_none=False)
             backward_in_halves(model, x, y)
             optimizer.step()
@@ -136,7 +136,9 @@ def reference(case: str) -> list[torch.Tensor]:
 def replicated(case: str) -> list[torch.Tensor]:
     """Run inside a replica process: the same training through replicator."""
     repl = rp.Replicator()
-    micro_steps = 2 if case == "accumulate" else 1
+    # accumulate_two_backwards: the last micro-step's second backward adds to averages already divided by
+    # the micro-steps (it used to divide them twice: 0.11 apart from one process after 4 steps).
+    micro_steps = 2 if case in ("accumulate", "accumulate_two_backwards") else 1
     with repl.scope():
         # Different seeds per replica: scope() must still give everyone replica 0's start.
         torch.manual_seed(0 if repl.replica_id == 0 else 1234 + repl.replica_id)
@@ -166,7 +168,7 @@ def replicated(case: str) -> list[torch.Tensor]:
         x, y = batch
         if case == "gan":
             return ctx.all_mean(gan_step(generator, discriminator, g_opt, d_opt, x, x[:, :4] * 0.5))
-        if case == "two_backwards":
+        if case in ("two_backwards", "accumulate_two_backwards"):
             optimizer.zero_grad(set_to_none=False)
             backward_in_halves(model, x, y)
             optimizer.step()

@@ -93,6 +93,7 @@ class GradientSynchronizer:
         self.bucket_cap_bytes = bucket_cap_bytes
         self._location: dict[int, tuple[Bucket, int]] = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._reopen_hooks: list[torch.utils.hooks.RemovableHandle] = []  # armed after an accumulated average
         if self.size > 1:
             self.buckets = assign_buckets(self.params, bucket_cap_bytes, min(_FIRST_BUCKET_BYTES, bucket_cap_bytes),
                                           getattr(reducer, "allocate", None))
@@ -318,6 +319,35 @@ class GradientSynchronizer:
                 if summed is not None:  # dense where some replica's gradient was dense (a tied weight)
                     param.grad = summed if param.grad is None else param.grad.add_(summed)
         self._reduced = True
+        if self.state.accumulation > 1:
+            self._arm_reopen()
+
+    def _arm_reopen(self) -> None:
+        """Averages of accumulated micro-steps are divided by their number: a further backward pass before step()
+        (a second loss of the last micro-step) must add to them in the units the next round divides again. A
+        hook on each gradient, before it accumulates, takes the averages back to those units first (one process
+        adds the second loss's gradient to its sum; the replicas would otherwise end with the first loss's mean
+        divided by the micro-steps twice)."""
+        if not self._reopen_hooks:
+            self._reopen_hooks = [p.register_hook(self._reopen_before_accumulating) for p in self.params]
+
+    def _disarm_reopen(self) -> None:
+        for hook in self._reopen_hooks:
+            hook.remove()
+        self._reopen_hooks.clear()
+
+    def _reopen_before_accumulating(self, grad: torch.Tensor) -> None:
+        self._disarm_reopen()
+        if self._reduced:
+            self.reopen(self._local_units())
+
+    def _local_units(self) -> float:
+        """What averaged gradients are multiplied by so that the next round, which multiplies each replica's share
+        by `_scale()`, sums them back to themselves: the inverse of `_scale()` summed over the replicas."""
+        samples = self.state.samples_since(self._update_start)
+        if not samples or not samples[0][0] or not samples[0][1]:
+            return self.state.accumulation * self.state.grad_scale
+        return self.state.grad_scale * sum(everyone for _, everyone in samples) / samples[0][1]
 
     def _sum_sparse(self) -> dict[int, torch.Tensor]:
         """The sums of the gathered sparse gradients, by parameter id (none where no replica had one)."""
@@ -367,6 +397,7 @@ class GradientSynchronizer:
         """
         if discard and self._window_open:
             self._finish_round()
+        self._disarm_reopen()
         self._start_round()
         self._window_open = False
         self._rounds = 0
@@ -386,6 +417,7 @@ class GradientSynchronizer:
         self.end_window()
 
     def remove(self) -> None:
+        self._disarm_reopen()
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
