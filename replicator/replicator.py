@@ -117,7 +117,7 @@ class Replicator:
         self.optimizers = SyncedOptimizers(adopt=self.models.adopt,
             context=self.context, group=synced.replica, agreement=job.replica_agreement,
             reducer=self.reducer, bucket_cap_bytes=int(bucket_cap_mb * (1 << 20)), nonfinite=nonfinite,
-            debug=job.debug, is_main=self.is_main,
+            debug=job.debug, is_main=self.is_main, stages=job.groups.stage if stages > 1 else None,
         )
         self.precision = MixedPrecision(precision, self.device, self.optimizers, synced)  # autocast, fp16's scale
         self.skipped_steps = self.optimizers.skipped_steps  # steps whose update nonfinite="skip" or fp16 dropped

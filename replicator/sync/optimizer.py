@@ -50,7 +50,8 @@ class SyncedOptimizers:
 
     def __init__(self, *, context: ReplicaContext, group: dist.ProcessGroup | None, agreement: Agreement,
                  reducer: Reducer, bucket_cap_bytes: int, nonfinite: str, debug: bool, is_main: bool,
-                 adopt: Callable[[list[torch.Tensor], str], None] = lambda tensors, where: None) -> None:
+                 adopt: Callable[[list[torch.Tensor], str], None] = lambda tensors, where: None,
+                 stages: dist.ProcessGroup | None = None) -> None:
         self.state = GradientState()
         self.context = context
         self.group = group
@@ -61,6 +62,7 @@ class SyncedOptimizers:
         self.debug = debug
         self.is_main = is_main
         self.adopt = adopt
+        self.stages = stages  # a pipeline's stages (of this replica): every update's skip verdict is theirs together
         self.wrapped: list[WrappedOptimizer] = []
         self.owner: dict[int, WrappedOptimizer] = {}
         self.schedulers: list[Any] = []
@@ -221,7 +223,13 @@ class SyncedOptimizers:
         """Are the averaged gradients finite (fp16: on every stage, and noted for the loss scale)? Else skip."""
         finite = wrapped.synchronizer.gradients_finite()
         if self.loss_scale is not None:
-            finite = self.loss_scale.record(finite)
+            finite = self.loss_scale.record(finite)  # agreed across the stages there
+        elif self.stages is not None:
+            # One process would skip the whole model's update: so do all stages, whichever held the NaN.
+            device = wrapped.synchronizer.params[0].device if wrapped.synchronizer.params else "cpu"
+            flag = torch.tensor(float(finite), device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.stages)
+            finite = bool(flag)
         if not finite:
             self._skip_update(wrapped, overflow=self.loss_scale is not None)
         return finite

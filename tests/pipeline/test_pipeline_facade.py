@@ -97,3 +97,34 @@ def test_a_pipeline_failure_on_one_replica_fails_every_replica() -> None:
         assert error.kind == "PipelineError", error
         assert "pipeline step failed on replica(s) 1: stage 1 of 2 failed: ValueError" in error.message, error
         assert "succeeded on replica(s) 0" in error.message, error
+
+
+def stage_with_a_nan_gradient() -> tuple[int, list[int], list[torch.Tensor], list[torch.Tensor]]:
+    repl = rp.Replicator(stages=2, chunks=2, nonfinite="skip")
+    with repl.scope():
+        pipe = repl.pipeline(layers(), balance=BALANCE)
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+    poisoned = {"step": -1}
+    if repl.stage_id == 1:  # a NaN in one weight's gradient of the last stage only, at step 1
+        weight = next(pipe.parameters())
+        weight.register_hook(lambda grad: grad * float("nan") if poisoned["step"] == 1 else grad)
+
+    def step_fn(ctx: rp.ReplicaContext, data):
+        poisoned["step"] = ctx.step
+        optimizer.zero_grad()
+        pipe.train_step(data[0], data[1], F.cross_entropy)
+        optimizer.step()
+
+    snapshots = []
+    for _ in repl.run(step_fn, [batch(step) for step in range(3)]):
+        snapshots.append([p.detach().clone() for p in pipe.parameters()])
+    return repl.stage_id, repl.last_run["skipped_steps"], snapshots[0], snapshots[1]
+
+
+def test_a_nan_gradient_on_one_stage_skips_the_update_on_every_stage() -> None:
+    # One process skips the whole model's update when any gradient is NaN (nonfinite="skip"); so must every stage,
+    # not only the one that held the NaN (stage 0 used to update alone and the model came apart).
+    for stage, skipped, after_step_0, after_step_1 in run_replicas(stage_with_a_nan_gradient, 2, timeout_s=120):
+        assert skipped == [1], (stage, skipped)
+        for before, after in zip(after_step_0, after_step_1, strict=True):
+            assert torch.equal(before, after), f"stage {stage} updated at the skipped step"
