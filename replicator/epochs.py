@@ -128,6 +128,9 @@ class EpochStream(Iterator[Any]):
         self.limit, self.one_pass = epochs, epochs is None and not cycle
 
     def end_reason(self) -> str:
+        own = getattr(self.source, "end_reason", None)  # an input that knows why it ended (actor-learner's)
+        if callable(own) and (reason := own()):
+            return str(reason)
         if self.limit is not None and self.frontier.epoch >= self.limit:
             return f"epochs={self.limit} are done"
         if self.one_shot:

@@ -60,7 +60,6 @@ class ActorLearnerRegime(Regime):
         self.drawn = 0  # batches this learner's sampler gave in this run
         self.end_at: int | None = None  # the batch count where the run ends early (ActorContext.end_run)
         self.ended: str | None = None  # who asked for that, and why
-        self._said_end = False
         self.steps: int | None = None
         self.sample_wait_s = 0.0
         # Ticket numbers run on for the job's life, so a learner reads its queue with one Tickets throughout.
@@ -143,7 +142,7 @@ class ActorLearnerRegime(Regime):
                 wire.job_store().set(exchange.Keys.layout, "\n".join(self.variables.layout.described))
         self.variables.publish(self.optimizers.state.step)
         self.stopped, self.sample_wait_s = None, 0.0
-        self.drawn, self.end_at, self.ended, self._said_end = 0, None, None, False
+        self.drawn, self.end_at, self.ended = 0, None, None
         assert self._tickets is not None
         self.service = LearnerService(self.roles, self.everyone, self._tickets, replay.shard, self.variables,
                                       self.job.timeout_s)
@@ -190,13 +189,7 @@ class ActorLearnerRegime(Regime):
                 return False
             cut = store.compare_set(exchange.Keys.end_at(self.runs), "", str(self.drawn + 3))
             self.end_at, self.ended = int(cut.decode("ascii")), store.get(request).decode("utf-8", "replace")
-        if self.drawn < self.end_at:
-            return False
-        if self.roles.index == 0 and not self._said_end:
-            self._said_end = True  # once: the step loop asks a stream that ended once more
-            print(f"replicator: the learners end the run after {self.end_at} of its steps={self.steps}: "
-                  f"{self.ended}", flush=True)
-        return True
+        return self.drawn >= self.end_at  # the step loop says why the run stopped (_Batches.end_reason)
 
     def _stop(self, reason: str) -> None:
         """No more batches: every process will raise the reason (the job's first failure wins)."""
@@ -284,6 +277,12 @@ class _Batches:
 
     def __iter__(self) -> Iterator[ReplaySample]:
         return self.regime.batches()
+
+    def end_reason(self) -> str | None:
+        """Why the batches ended before run()'s steps, for the step loop's message: an actor's end_run()."""
+        if self.regime.ended is None:
+            return None
+        return f"{self.regime.ended} (every learner stopped at this step)"
 
 
 def serves_this_run(regime: Regime, actor_fn: ActorFn | None, update_period: int, steps: int | None) -> bool:
