@@ -284,11 +284,11 @@ class ProcessGroups:
         return self.mesh.stage_ranks
 
 
-_rendezvous: tuple[dist.Store, int, int] | None = None  # this process's store, made once (see _job_store)
+_rendezvous: tuple[dist.Store, int, int] | None = None  # this process's store, made once (see _store_for_next_job)
 _jobs_started = 0
 
 
-def _job_store(timeout: timedelta) -> tuple[dist.Store, int, int]:
+def _store_for_next_job(timeout: timedelta) -> tuple[dist.Store, int, int]:
     """The store for this process's next job, with the rank and world size that the environment gives.
 
     The rendezvous store (rank 0 serves it on MASTER_PORT) is made once per process and kept:
@@ -325,7 +325,7 @@ def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float =
             os.environ.setdefault("WORLD_SIZE", str(topology.world_size))
         if topology.device.type == "cuda":
             torch.cuda.set_device(topology.device)
-        store, rank, world_size = _job_store(timeout)
+        store, rank, world_size = _store_for_next_job(timeout)
         dist.init_process_group(topology.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     world = dist.group.WORLD
 

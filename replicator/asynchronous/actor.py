@@ -14,6 +14,7 @@ from replicator.asynchronous.replay import Replay
 from replicator.asynchronous.roles import Roles, shards_fed_by
 from replicator.asynchronous.transitions import Transition, TransitionSpec, as_tensor
 from replicator.asynchronous.variables import VariableSink
+from replicator.comm.store import job_store
 from replicator.errors import ReplicatorError, ReplicatorUsageError
 from replicator.timeline import recorder as timeline
 
@@ -67,7 +68,7 @@ class ActorContext:
             self._checked = now
             self._raise_if_aborted()
             try:
-                self._done = bool(wire.job_store().check([exchange.Keys.done(self.run)]))
+                self._done = bool(job_store().check([exchange.Keys.done(self.run)]))
             except RuntimeError as error:
                 raise ActorLearnerError(f"{self.who}: the job's store is gone ({error}): the learners ended") from error
         return not self._done
@@ -128,7 +129,7 @@ class ActorContext:
         self.figures["pulls"] += 1
         self.figures["pull_seconds"] += time.monotonic() - started
         try:
-            wire.job_store().set(exchange.Keys.env_steps(self.actor_id), str(self.env_steps))
+            job_store().set(exchange.Keys.env_steps(self.actor_id), str(self.env_steps))
         except RuntimeError:
             pass  # only the counters miss it
 
@@ -138,14 +139,14 @@ class ActorContext:
         `reason` goes into the learners' `repl.last_run["actor_learner"]["ended"]` and their log line."""
         text = f"{self.who} asked to end the run" + (f": {reason}" if reason else "")
         try:
-            wire.job_store().compare_set(exchange.Keys.end_request(self.run), "", text)  # the first request wins
+            job_store().compare_set(exchange.Keys.end_request(self.run), "", text)  # the first request wins
         except RuntimeError as error:
             raise ActorLearnerError(f"{self.who}: the job's store is gone ({error}): the learners ended") from error
 
     def counters(self) -> dict[str, Any]:
         """The job's figures as the learners last published them (twice a second): env steps (all actors, as of
         their last pulls), learner steps, realised samples per insert and the policy lag at insert."""
-        store = wire.job_store()
+        store = job_store()
         env_steps = 0
         for actor in range(self.roles.actors):
             key = exchange.Keys.env_steps(actor)
@@ -183,7 +184,7 @@ class ActorContext:
             mine = TransitionSpec.of(obs, act, self.who)
             mine.check("next_observation", next_obs, self.who, "this actor's first observation")
             # The first transition of the job fixes the format for every actor and shard.
-            winner = wire.job_store().compare_set(exchange.Keys.spec, "", mine.encode()).decode("ascii")
+            winner = job_store().compare_set(exchange.Keys.spec, "", mine.encode()).decode("ascii")
             self._spec = TransitionSpec.decode(winner)
             self._source = "the job's first transition" if winner != mine.encode() else "this actor's first transition"
         for field, tensor in (("observation", obs), ("action", act), ("next_observation", next_obs)):
@@ -271,7 +272,7 @@ class ActorContext:
     def _layout_difference(self) -> str:
         mine = self.sink.layout.described
         try:
-            theirs = wire.job_store().get(exchange.Keys.layout).decode("utf-8").split("\n")
+            theirs = job_store().get(exchange.Keys.layout).decode("utf-8").split("\n")
         except RuntimeError:
             theirs = []
         first = next((f"{m!r} here, {t!r} on the learners" for m, t in zip(mine, theirs, strict=False) if m != t),

@@ -27,6 +27,7 @@ from replicator.asynchronous.roles import Roles
 from replicator.asynchronous.service import LearnerService
 from replicator.asynchronous.settings import AsyncSettings
 from replicator.asynchronous.variables import VariableSink, VariableSource
+from replicator.comm.store import job_store
 from replicator.context import InputContext
 from replicator.epochs import InputPosition
 from replicator.errors import ReplicatorUsageError
@@ -139,7 +140,7 @@ class ActorLearnerRegime(Regime):
         if self.variables is None:
             self.variables = VariableSource(self.models.modules)
             if self.roles.index == 0:
-                wire.job_store().set(exchange.Keys.layout, "\n".join(self.variables.layout.described))
+                job_store().set(exchange.Keys.layout, "\n".join(self.variables.layout.described))
         self.variables.publish(self.optimizers.state.step)
         self.stopped, self.sample_wait_s = None, 0.0
         self.drawn, self.end_at, self.ended = 0, None, None
@@ -183,7 +184,7 @@ class ActorLearnerRegime(Regime):
         end at the same step, as when `steps` is reached.
         """
         if self.end_at is None:
-            store = wire.job_store()
+            store = job_store()
             request = exchange.Keys.end_request(self.runs)
             if not store.check([request]):
                 return False
@@ -201,7 +202,7 @@ class ActorLearnerRegime(Regime):
         service = self.service
         assert service is not None
         try:
-            wire.job_store().set(exchange.Keys.done(self.runs), "1")
+            job_store().set(exchange.Keys.done(self.runs), "1")
         except RuntimeError:
             pass  # the store left with its host; the actors see the learners leave
         service.finish()

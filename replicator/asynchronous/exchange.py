@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from replicator.asynchronous import wire
+from replicator.comm.store import job_store
 
 __all__ = ["PULL", "INSERT", "WAIT", "BYE", "OK", "ABORTED", "LAYOUT", "REQUEST", "reply_size",
            "Keys", "lag_summary", "LAG_BINS", "post_abort", "read_abort"]
@@ -77,7 +78,7 @@ class Keys:
 def post_abort(message: str) -> None:
     """Record the job's first failure for every process to raise; later ones keep theirs."""
     try:
-        handle = wire.job_store()
+        handle = job_store()
         if handle.add(Keys.abort_count, 1) == 1:
             handle.set(Keys.abort, message)
     except RuntimeError:
@@ -86,7 +87,7 @@ def post_abort(message: str) -> None:
 
 def read_abort() -> str | None:
     try:
-        handle = wire.job_store()
+        handle = job_store()
         return handle.get(Keys.abort).decode("utf-8", "replace") if handle.check([Keys.abort]) else None
     except RuntimeError:
         return None

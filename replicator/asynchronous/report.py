@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from replicator.asynchronous import wire
 from replicator.comm import objects
+from replicator.comm.store import job_store
 from replicator.telemetry import breakdown_table
 
 __all__ = ["Reports", "group_lines"]
@@ -25,11 +25,11 @@ class Reports:
         self.prefix = f"{_KEY}{run}/rank"
 
     def put(self, rank: int, figures: dict[str, Any]) -> None:
-        wire.job_store().set(f"{self.prefix}{rank}", objects.encode(figures).decode("ascii"))
+        job_store().set(f"{self.prefix}{rank}", objects.encode(figures).decode("ascii"))
 
     def gather(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
         """The figures of every rank that left them (a group that died or hung left none)."""
-        store = wire.job_store()
+        store = job_store()
         found = {}
         for rank in ranks:
             key = f"{self.prefix}{rank}"

@@ -23,6 +23,7 @@ from replicator.asynchronous.replay import ReplayShard
 from replicator.asynchronous.roles import Roles
 from replicator.asynchronous.transitions import TransitionSpec
 from replicator.asynchronous.variables import VariableSource
+from replicator.comm.store import job_store
 from replicator.timeline import recorder as timeline
 
 __all__ = ["LearnerService"]
@@ -172,7 +173,7 @@ class LearnerService:
     def _spec(self) -> TransitionSpec:
         if self.shard.spec is not None:
             return self.shard.spec
-        return TransitionSpec.decode(wire.job_store().get(exchange.Keys.spec).decode("ascii"))
+        return TransitionSpec.decode(job_store().get(exchange.Keys.spec).decode("ascii"))
 
     def _insert(self, actor: int, version: int, payload: torch.Tensor, count: int) -> None:
         spec = self._spec()
@@ -239,7 +240,7 @@ class LearnerService:
         lags = ",".join(f"{lag}:{count}" for lag, count in enumerate(self.histogram.tolist()) if count)
         text = (f"{max(self.variables.version, 0)} {limiter.inserts} {limiter.samples} "
                 f"{max(limiter.inserts - limiter.min_size, 0)} {now - self.started:.3f}|{lags}")
-        wire.job_store().set(exchange.Keys.learner(self.roles.index), text)
+        job_store().set(exchange.Keys.learner(self.roles.index), text)
 
     def _depart(self, actor: int, how: str, why: str) -> None:
         if actor in self.departed:

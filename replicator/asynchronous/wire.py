@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-import torch.distributed as dist
+from replicator.comm.store import job_store
 
 __all__ = ["PULL", "PUSH", "DONE", "SAVE", "OK", "FAILED", "SAVE_FAILED", "TAG_REQUEST", "TAG_REPLY", "Tickets",
            "Heartbeat", "SavedStates", "Dropped", "idle_sleep"]
@@ -34,11 +34,6 @@ TAG_REPLY = 72
 TAG_VERDICT = 73  # a group's leader to its members
 
 _PREFIX = "replicator/async/"
-
-
-def job_store() -> dist.Store:
-    """The job's key-value store (the launcher's rendezvous store), which every process reaches."""
-    return dist.distributed_c10d._get_default_store()
 
 
 class Tickets:

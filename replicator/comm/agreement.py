@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from replicator.comm.local_link import LocalLink
 from replicator.comm.stalls import LOOK_EVERY_S, Channel, StallWatch, Waiting
+from replicator.comm.store import job_store
 from replicator.errors import ReplicaMismatchError, ReplicatorError
 
 __all__ = ["Agreement", "PendingAgreement", "Verdict", "Intent", "call_site"]
@@ -154,7 +155,7 @@ class Agreement:
         if self.trail:
             where = f" at {site}" if site else ""
             trail = f"check #{self.posted + 1} on the channel of {self.name}: {signature}{where}"
-            _store().set(f"{_TRAIL_KEY}{dist.get_rank()}", trail)
+            job_store().set(f"{_TRAIL_KEY}{dist.get_rank()}", trail)
         pending = PendingAgreement(self, signature, site, [int(v) for v in values])
         if self.group is not None:
             self._unsettled = pending
@@ -341,10 +342,6 @@ class PendingAgreement:
 _TRAIL_KEY = "replicator/trail/"
 
 
-def _store() -> dist.Store:
-    return dist.distributed_c10d._get_default_store()
-
-
 def raise_with_stragglers(group: dist.ProcessGroup | None, where: str, error: BaseException, *,
                           debug: bool = False) -> None:
     """Re-raise a failed or timed-out collective naming the replicas that never arrived.
@@ -357,7 +354,7 @@ def raise_with_stragglers(group: dist.ProcessGroup | None, where: str, error: Ba
     """
     me = dist.get_rank()
     try:
-        store = _store()
+        store = job_store()
         ranks = dist.get_process_group_ranks(group) if group is not None else [0]
         trails = {r: store.get(f"{_TRAIL_KEY}{r}").decode()
                   for r in ranks if r != me and store.check([f"{_TRAIL_KEY}{r}"])}

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
+from replicator.comm.store import job_store
 
 __all__ = ["Channel", "StallWatch", "Waiting", "grace_for"]
 
@@ -66,7 +66,7 @@ class StallWatch:
         keys = [f"{_INTENT_KEY}{channel}/{ticket}/{rank}" for rank in members]
         found: list[dict[str, Any] | None] = [mine if rank == self.rank else None for rank in members]
         try:
-            store = dist.distributed_c10d._get_default_store()
+            store = job_store()
             store.set(keys[members.index(self.rank)], json.dumps(mine))
             deadline = time.monotonic() + 4 * self.grace_s
             while time.monotonic() < deadline and not store.check(keys):
@@ -106,7 +106,7 @@ class Waiting:
 
         A peer's note is trusted once seen twice with the same serial, so that a note read
         while that peer's wait was ending (and not yet taken down) cannot mislead."""
-        store = dist.distributed_c10d._get_default_store()
+        store = job_store()
         if not self._published:
             store.set(f"{_NOTE_KEY}{self.watch.rank}", json.dumps(self.note))
             self._published = True
@@ -126,7 +126,7 @@ class Waiting:
     def done(self) -> None:
         """The wait ended normally: take the note down."""
         if self._published:
-            dist.distributed_c10d._get_default_store().delete_key(f"{_NOTE_KEY}{self.watch.rank}")
+            job_store().delete_key(f"{_NOTE_KEY}{self.watch.rank}")
 
     def _waits_for_us(self, theirs: dict[str, Any]) -> bool:
         channel = self.watch.channels.get(theirs["channel"])

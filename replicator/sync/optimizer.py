@@ -222,14 +222,14 @@ class SyncedOptimizers:
     def _goes_ahead(self, wrapped: WrappedOptimizer) -> bool:
         """Are the averaged gradients finite (fp16: on every stage, and noted for the loss scale)? Else skip."""
         finite = wrapped.synchronizer.gradients_finite()
-        if self.loss_scale is not None:
-            finite = self.loss_scale.record(finite)  # agreed across the stages there
-        elif self.stages is not None:
+        if self.stages is not None:
             # One process would skip the whole model's update: so do all stages, whichever held the NaN.
             device = wrapped.synchronizer.params[0].device if wrapped.synchronizer.params else "cpu"
             flag = torch.tensor(float(finite), device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.stages)
             finite = bool(flag)
+        if self.loss_scale is not None:
+            self.loss_scale.record(finite)
         if not finite:
             self._skip_update(wrapped, overflow=self.loss_scale is not None)
         return finite

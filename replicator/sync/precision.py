@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch.autograd.graph import GradientEdge
 
 from replicator.comm.collectives import group_size
@@ -69,28 +68,22 @@ class LossScale:
     step ends, the scale is updated once, by the kernel GradScaler.update() runs itself
     (torch._amp_update_scale_). Averaged gradients are the same on every replica, so every
     replica reaches the same verdicts and keeps the same scale without a word; the stages of a
-    pipeline hold different gradients and agree on each verdict explicitly (`stages`). Its
-    state_dict is GradScaler's, so either loads the other's; checkpoints keep it after the LR
-    schedulers.
+    pipeline hold different gradients and agree on each verdict before it is recorded
+    (SyncedOptimizers, as for nonfinite="skip"). Its state_dict is GradScaler's, so either
+    loads the other's; checkpoints keep it after the LR schedulers.
     """
 
-    def __init__(self, settings: Precision, device: torch.device, stages: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, settings: Precision, device: torch.device) -> None:
         self.scale = torch.full((), settings.init_scale, dtype=torch.float32, device=device)
         self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)  # finite updates in a row
         self.growth_factor, self.backoff_factor = settings.growth_factor, settings.backoff_factor
         self.growth_interval = settings.growth_interval
         self.value = settings.init_scale  # the scale on the host, read once per update
-        self.stages = stages
         self._verdicts: list[bool] = []  # this step's updates: were their averaged gradients finite?
 
-    def record(self, finite: bool) -> bool:
-        """Note one update's verdict, agreed across the pipeline's stages; True when the update goes ahead."""
-        if self.stages is not None:
-            flag = torch.tensor(float(finite), device=self.scale.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.stages)
-            finite = bool(flag)
+    def record(self, finite: bool) -> None:
+        """Note one update's verdict (already agreed across a pipeline's stages)."""
         self._verdicts.append(finite)
-        return finite
 
     def end_step(self) -> None:
         """Update the scale once per step that decided some update, as GradScaler.update() after an iteration."""
@@ -171,8 +164,7 @@ class MixedPrecision:
         self.device_type = device.type
         if self.dtype is not None:
             check_autocast(self.device_type, self.dtype)
-        stages = groups.stage if groups.mesh.stages > 1 else None  # they must agree on every verdict
-        self.loss_scale = LossScale(self.settings, device, stages) if self.name == "fp16" else None
+        self.loss_scale = LossScale(self.settings, device) if self.name == "fp16" else None
         optimizers.loss_scale = self.loss_scale  # it decides every update (SyncedOptimizers)
         self.optimizers = optimizers
         self.state: GradientState = optimizers.state

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from replicator import _env
+from replicator.comm.store import job_store
 from replicator.errors import ReplicatorUsageError
 from replicator.timeline.hooks import ModelSpans
 from replicator.timeline.recorder import Recorder, Span, activate, clock
@@ -107,10 +108,6 @@ def measure_clock_offset(group: dist.ProcessGroup) -> float:
     return statistics.median(differences)
 
 
-def _job_store() -> dist.Store:
-    return dist.distributed_c10d._get_default_store()
-
-
 class Session:
     """One run()'s recording on this process: the active recorder, the model's hooks, and the hand-in at the end."""
 
@@ -125,7 +122,7 @@ class Session:
         Session.runs += 1
         self.prefix = f"{_PREFIX}attempt{_env.attempt()}/run{Session.runs}/"
         distributed = self.world_size > 1 and dist.is_initialized()
-        self.store = _job_store() if distributed else None
+        self.store = job_store() if distributed else None
         if self.store is not None:
             self.store.set(f"{self.prefix}begun{self.rank}", "1")
         # One machine has one clock; across machines, align every process to the main one (a collective:
