@@ -49,24 +49,23 @@ def _quantity(text: str) -> float:
     return value
 
 
-def _positive(text: str) -> float:
-    """A number > 0 (argparse names the flag in its error)."""
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
+
+
+def _positive(text: str) -> float:
+    """A number > 0 (argparse names the flag in its error)."""
+    if not (value := _number(text)) > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
     return value
 
 
 def _non_negative(text: str) -> float:
     """A number >= 0 (argparse names the flag in its error)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
+    if not (value := _number(text)) >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
     return value
 
