@@ -1,9 +1,13 @@
-"""GPU smoke test: one NCCL replica training ResNet-50 (bf16 autocast) against a plain PyTorch loop.
+"""GPU smoke test: one NCCL replica training ResNet-50 in mixed precision against a plain PyTorch loop.
 
 Command (from the repository root, on a machine with a CUDA GPU; figures go to
 benchmarks/results/gpu_smoke.json):
 
-    .venv/bin/python benchmarks/gpu_smoke.py --repeats 5 --steps 30 --batch 64
+    .venv/bin/python benchmarks/gpu_smoke.py --repeats 5 --steps 30 --batch 64 --precision bf16
+
+`--precision bf16` compares `rp.Replicator(precision="bf16")` with a loop under `torch.autocast`;
+`--precision fp16` compares `precision="fp16"` (its loss scale on CUDA) with autocast and
+`torch.amp.GradScaler`.
 
 Without CUDA it prints why it skips and exits 0. `--cpu-dry-run` runs the same code path on
 the CPU with Gloo and tiny images, only to check the script itself where no GPU exists.
@@ -90,13 +94,36 @@ def _join_as_single_replica() -> None:
 
 
 def _plain_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, device_type: str
+    model: nn.Module, optimizer: torch.optim.Optimizer, device_type: str, precision: str
 ) -> Callable[[Batch], torch.Tensor]:
+    """The loop a user writes without replicator: autocast, and for fp16 GradScaler."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    scaler = torch.amp.GradScaler(device_type) if precision == "fp16" else None
+
     def step(batch: Batch) -> torch.Tensor:
         images, labels = batch
         optimizer.zero_grad()
-        with torch.autocast(device_type, dtype=torch.bfloat16):
+        with torch.autocast(device_type, dtype=dtype):
             loss = F.cross_entropy(model(images), labels)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        return loss.detach()
+
+    return step
+
+
+def _replicated_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[Batch], torch.Tensor]:
+    """The step_fn body: single-device fp32 code; precision= adds autocast and fp16's loss scale."""
+
+    def step(batch: Batch) -> torch.Tensor:
+        images, labels = batch
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(images), labels)
         loss.backward()
         optimizer.step()
         return loss.detach()
@@ -111,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before each timed phase")
     parser.add_argument("--batch", type=int, default=64, help="images per step")
     parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--precision", choices=("bf16", "fp16"), default="bf16",
+                        help="mixed precision of both contenders (fp16: replicator's loss scale against GradScaler)")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="no GPU: exercise the script on CPU/Gloo with tiny inputs")
     add_json_argument(parser, "gpu_smoke")
@@ -129,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     header = machine()
 
     _join_as_single_replica()
-    repl = rp.Replicator()
+    repl = rp.Replicator(precision=options.precision)
     device = repl.device
     backend = dist.get_backend(repl.groups.replica) if repl.groups.replica is not None else "none"
     if device.type == "cuda":
@@ -167,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         and batch[0].device.type == expected_device and probe.device.type == expected_device
     )
 
-    replicated_step = _plain_step(model, optimizer, device.type)  # the same body, on the wrapped optimizer
+    replicated_step = _replicated_step(model, optimizer)
 
     def step_fn(ctx: rp.ReplicaContext, data: Batch) -> torch.Tensor:
         return replicated_step(data)
@@ -177,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in repl.run(step_fn, [batch] * count, steps=repl.global_step + count, progress=False, warmup_steps=0):
             pass
 
-    plain_step = _plain_step(plain, plain_optimizer, device.type)
+    plain_step = _plain_step(plain, plain_optimizer, device.type, options.precision)
     plain_steps = 0
 
     def run_plain(count: int) -> None:
@@ -216,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     paired = paired_ratio(rates[names[0]], rates[names[1]])
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run: figures mean nothing)"
     print(machine_line(header))
-    print(f"ResNet-50, {options.image_size}x{options.image_size}, batch {options.batch}, bf16 autocast, "
+    print(f"ResNet-50, {options.image_size}x{options.image_size}, batch {options.batch}, {options.precision} autocast, "
           f"channels_last, on {where}")
     print(f"{options.repeats} repetitions x {options.steps} timed steps (+{options.warmup} warm-up)")
     for key, value in checks.items():
@@ -227,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, spread in spreads.items():
         print(f"| {name} | {spread.median:,.1f} | {spread.min:,.1f} | {spread.max:,.1f} |")
     print(f"\nratio replicator / plain loop: {ratio:.3f} (ratio of medians), {paired:.3f} (median paired)")
-    print(f"parameter max |diff| after the runs: {worst:.3g} (largest parameter {scale:.3g}; bf16 and cuDNN's "
-          "non-deterministic kernels allow small differences)")
+    print(f"parameter max |diff| after the runs: {worst:.3g} (largest parameter {scale:.3g}; mixed precision "
+          "and cuDNN's non-deterministic kernels allow small differences)")
     write_json(options.json, {
         "device": where, "options": vars(options), "checks": checks, "verified": verified, "rates": rates,
         "medians": medians, "ratio": ratio, "paired_ratio": paired, "parameter_max_diff": worst,

@@ -22,6 +22,8 @@ ATTEMPT = "REPLICATOR_ATTEMPT"  # which restart of the job this is, set by the l
 MAX_RESTARTS = "REPLICATOR_MAX_RESTARTS"  # the launcher's --max-restarts, for the job to read
 RUNS = "REPLICATOR_RUNS"  # where run() records its runs (default "runs"); 0 records none
 TIMELINE = "REPLICATOR_TIMELINE"  # 1: every run() writes timeline-<time>.json; a path: there; 0: none
+DEVICE = "REPLICATOR_DEVICE"  # cpu or cuda: where replicas compute (default: cuda when a GPU is visible)
+BACKEND = "REPLICATOR_BACKEND"  # gloo or nccl: the collectives' backend (default: nccl on cuda, else gloo)
 
 _TRUE = ("1", "true", "yes", "on")
 # The root of run records, relative to the working directory, as TensorBoard's and Lightning's are.
@@ -110,3 +112,23 @@ def timeline() -> bool | str:
     if value.lower() in ("", "0", "false", "no", "off"):
         return False
     return True if value.lower() in _TRUE else value
+
+
+def _choice(name: str, choices: tuple[str, ...]) -> str | None:
+    value = os.environ.get(name, "").strip().lower()
+    if value == "":
+        return None
+    if value not in choices:
+        raise ValueError(f"environment variable {name}={value!r} is not one of {', '.join(choices)}; unset it "
+                         "for the default")
+    return value
+
+
+def device() -> str | None:
+    """REPLICATOR_DEVICE: "cpu" or "cuda" where replicas compute; None picks cuda when a GPU is visible."""
+    return _choice(DEVICE, ("cpu", "cuda"))
+
+
+def backend() -> str | None:
+    """REPLICATOR_BACKEND: "gloo" or "nccl"; None picks nccl for CUDA replicas and gloo otherwise."""
+    return _choice(BACKEND, ("gloo", "nccl"))

@@ -12,6 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from replicator import _env
 from replicator._env import DEFAULT_TIMEOUT_S
 from replicator.errors import ReplicatorUsageError
 
@@ -40,13 +41,44 @@ class Topology:
 
     @property
     def device(self) -> torch.device:
-        if torch.cuda.is_available():
-            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
-        return torch.device("cpu")
+        """cuda:<local rank> when a GPU is visible (REPLICATOR_DEVICE=cpu or cuda decides instead), else cpu."""
+        wanted = _env.device()
+        if wanted == "cpu" or (wanted is None and not torch.cuda.is_available()):
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise ReplicatorUsageError(
+                f"REPLICATOR_DEVICE=cuda, but torch {torch.__version__} sees no CUDA GPU on this node: install a "
+                "CUDA build of torch, check CUDA_VISIBLE_DEVICES, or unset REPLICATOR_DEVICE to train on CPU")
+        return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+
+    def refuse_shared_gpus(self, groups: list[list[int]]) -> None:
+        """Raise if two processes of this node would share a GPU inside one of my NCCL `groups`.
+
+        NCCL refuses two ranks of a communicator on one GPU, but only at the group's first
+        collective and as "Duplicate GPU detected": say it before anything starts, with the ways out."""
+        if self.backend != "nccl":
+            return
+        gpus = torch.cuda.device_count()
+        node = self.rank // self.local_world_size
+        for ranks in groups:
+            if self.rank not in ranks:
+                continue
+            here = [rank % self.local_world_size for rank in ranks if rank // self.local_world_size == node]
+            if len({local_rank % gpus for local_rank in here}) < len(here):
+                raise ReplicatorUsageError(
+                    f"{len(here)} processes of this node share an NCCL group but {gpus} GPU(s) are visible: NCCL "
+                    f"needs a GPU per process. Launch at most {gpus} per node (replicator launch -n {gpus}), make "
+                    "more GPUs visible (CUDA_VISIBLE_DEVICES), or train on CPU with REPLICATOR_DEVICE=cpu "
+                    f"(seen on replica {self.rank}, local rank {self.local_rank})")
 
     @property
     def backend(self) -> str:
-        return "nccl" if self.device.type == "cuda" else "gloo"
+        """nccl for CUDA replicas and gloo for CPU ones, unless REPLICATOR_BACKEND says otherwise."""
+        chosen = _env.backend()
+        if chosen == "nccl" and self.device.type != "cuda":
+            raise ReplicatorUsageError("REPLICATOR_BACKEND=nccl needs CUDA replicas, but these compute on CPU: "
+                                       "unset REPLICATOR_BACKEND (Gloo is used on CPU)")
+        return chosen or ("nccl" if self.device.type == "cuda" else "gloo")
 
 
 def _int(env: Mapping[str, str], *names: str, default: int | None = None) -> int:
@@ -324,6 +356,7 @@ def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float =
             os.environ.setdefault("RANK", str(topology.rank))
             os.environ.setdefault("WORLD_SIZE", str(topology.world_size))
         if topology.device.type == "cuda":
+            topology.refuse_shared_gpus(mesh.replica_partition if servers else [list(range(topology.world_size))])
             torch.cuda.set_device(topology.device)
         store, rank, world_size = _store_for_next_job(timeout)
         dist.init_process_group(topology.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)

@@ -113,8 +113,8 @@ def test_progress_off_a_terminal_is_a_plain_line_every_n_steps(tmp_path: Path) -
     script = tmp_path / "train.py"
     script.write_text(PIPED)
     command = [sys.executable, "-m", "replicator.cli", "launch", "-n", "2", "--threads", "1", str(script)]
-    env = {"REPLICATOR_PROGRESS": "1", "REPLICATOR_PROGRESS_EVERY": "2", "PATH": "/usr/bin:/bin",
-           "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]}
+    env = {"REPLICATOR_PROGRESS": "1", "REPLICATOR_PROGRESS_EVERY": "2", "REPLICATOR_DEVICE": "cpu",
+           "PATH": "/usr/bin:/bin", "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]}
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)  # stdout is a pipe
     assert result.returncode == 0, result.stdout + result.stderr
     shown = [line.split(" | ")[0] for line in result.stdout.splitlines() if line.startswith("training step")]

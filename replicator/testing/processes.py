@@ -43,7 +43,9 @@ def _worker(rank: int, world_size: int, local_world_size: int, port: int, env: d
         LOCAL_WORLD_SIZE=str(local_world_size), GROUP_RANK=str(rank // local_world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
     )
-    os.environ.update({_env.THREADS: "1", _env.PROGRESS: "0"})
+    # The processes share this machine's cores and, where there is one, its GPU: they compute on CPU
+    # with Gloo unless `env` names REPLICATOR_DEVICE (NCCL refuses two processes on one GPU).
+    os.environ.update({_env.THREADS: "1", _env.PROGRESS: "0", _env.DEVICE: "cpu"})
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -67,7 +69,9 @@ def run_replicas(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
     Each process sees torchrun's variables (RANK, WORLD_SIZE, ...) so `rp.Replicator()`
     joins the group as it would under `replicator launch`. `fn` must be importable (a
     module-level function). `local_world_size` < world_size pretends the processes sit on
-    world_size / local_world_size nodes (all on loopback), for hierarchical code paths. If
+    world_size / local_world_size nodes (all on loopback), for hierarchical code paths. The
+    processes compute on CPU even where a GPU is visible; `env={"REPLICATOR_DEVICE": "cuda"}`
+    (one GPU per process) or adding `"REPLICATOR_BACKEND": "gloo"` (CUDA tensors over Gloo) changes that. If
     any rank raises, ReplicaFailure lists every rank's error; if any rank is still running
     after `timeout_s`, all are killed and TimeoutError names them.
     """

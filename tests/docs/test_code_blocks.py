@@ -121,7 +121,7 @@ BLOCKS = [block for blocks, _ in PARSED for block in blocks]
 STRAY_MARKERS = [problem for _, stray in PARSED for problem in stray]
 
 # What a block's process sees: one thread (the machine is shared), no display for matplotlib.
-BLOCK_ENV = {"REPLICATOR_THREADS": "1", "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+BLOCK_ENV = {"REPLICATOR_THREADS": "1", "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg", "REPLICATOR_DEVICE": "cpu"}
 # What it must not inherit: a launcher's or Slurm's place in a job (a test suite run under srun, a variable
 # a test left behind) would make a one-process block join a job, and REPLICATOR_* settings change its output.
 FOREIGN = ("REPLICATOR_", "SLURM_", "TORCHELASTIC_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",

@@ -39,7 +39,7 @@ def start(tmp_path: Path, mode: str) -> subprocess.Popen:
     script.write_text(SCRIPT)
     command = [sys.executable, "-m", "replicator.cli", "launch", "-n", "2", "--threads", "1",
                "--log-dir", str(tmp_path / "logs"), str(script), mode, str(tmp_path)]
-    env = {"REPLICATOR_PROGRESS": "0", "REPLICATOR_TIMEOUT": "30", "PATH": "/usr/bin:/bin",
+    env = {"REPLICATOR_PROGRESS": "0", "REPLICATOR_DEVICE": "cpu", "REPLICATOR_TIMEOUT": "30", "PATH": "/usr/bin:/bin",
            "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]}
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -118,8 +118,8 @@ def test_a_replica_failing_under_plain_torchrun_leaves_at_once(tmp_path: Path) -
     script = tmp_path / "train.py"
     script.write_text(PLAIN_TORCHRUN_SCRIPT)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
-    env = {"REPLICATOR_PROGRESS": "0", "REPLICATOR_TIMEOUT": "60", "REPLICATOR_THREADS": "1", "PATH": "/usr/bin:/bin",
-           "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]}
+    env = {"REPLICATOR_PROGRESS": "0", "REPLICATOR_DEVICE": "cpu", "REPLICATOR_TIMEOUT": "60",
+           "REPLICATOR_THREADS": "1", "PATH": "/usr/bin:/bin", "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]}
     started = time.monotonic()
     torchrun = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     code, out, err = finish(torchrun)

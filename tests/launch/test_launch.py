@@ -47,7 +47,7 @@ def launch(
                *extra]
     # TMPDIR: a failed launch keeps its log in a temporary directory, here the test's own.
     return subprocess.run(command, capture_output=True, text=True, timeout=120, env={"REPLICATOR_PROGRESS": "0",
-                          "PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path),
+                          "REPLICATOR_DEVICE": "cpu", "PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path),
                           "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"], **(env or {})})
 
 

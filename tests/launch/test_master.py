@@ -19,7 +19,7 @@ def launch_node_1(tmp_path: Path, master: str, *extra: str) -> tuple[subprocess.
     started = time.monotonic()
     # Before: torch's store retried the name, or the address, until its rendezvous gave up (600 s).
     result = subprocess.run(command, capture_output=True, text=True, timeout=60,
-                            env={"REPLICATOR_PROGRESS": "0", "PATH": "/usr/bin:/bin",
+                            env={"REPLICATOR_PROGRESS": "0", "REPLICATOR_DEVICE": "cpu", "PATH": "/usr/bin:/bin",
                                  "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]})
     return result, time.monotonic() - started
 

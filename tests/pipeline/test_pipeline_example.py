@@ -61,7 +61,7 @@ def test_example_trains_on_two_stages_by_two_replicas(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "replicator.cli", "launch", "-n", "4", str(EXAMPLE), *ARGS,
                "--report", str(tmp_path), "--trace", str(tmp_path / "trace")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=110, cwd=ROOT,
-                            env={"REPLICATOR_PROGRESS": "0", "PATH": "/usr/bin:/bin",
+                            env={"REPLICATOR_PROGRESS": "0", "REPLICATOR_DEVICE": "cpu", "PATH": "/usr/bin:/bin",
                                  "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]})
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 replica(s) x 2 stage(s)" in result.stdout
