@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions per contender")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per repetition")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed steps before each timed phase")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps before each timed phase (>= 1)")
     parser.add_argument("--batch", type=int, default=64, help="images per step")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--precision", choices=("bf16", "fp16"), default="bf16",
@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="no GPU: exercise the script on CPU/Gloo with tiny inputs")
     add_json_argument(parser, "gpu_smoke")
     options = parser.parse_args(argv)
-    if options.repeats < 1 or options.steps < 1 or options.warmup < 0 or options.batch < 1:
-        parser.error("--repeats, --steps and --batch must be positive and --warmup non-negative")
+    if options.repeats < 1 or options.steps < 1 or options.warmup < 1 or options.batch < 1:
+        parser.error("--repeats, --steps, --warmup and --batch must be positive")
 
     if not torch.cuda.is_available() and not options.cpu_dry_run:
         print(f"gpu_smoke: skipped, CUDA is not available (torch {torch.__version__}); nothing was measured.")
@@ -201,36 +201,53 @@ def main(argv: list[str] | None = None) -> int:
     def step_fn(ctx: rp.ReplicaContext, data: Batch) -> torch.Tensor:
         return replicated_step(data)
 
-    def run_replicator(count: int) -> None:
-        # run() counts steps over the whole training: ask for `count` more.
-        for _ in repl.run(step_fn, [batch] * count, steps=repl.global_step + count, progress=False, warmup_steps=0):
-            pass
-
-    plain_step = _plain_step(plain, plain_optimizer, device.type, options.precision)
-    plain_steps = 0
-
-    def run_plain(count: int) -> None:
-        nonlocal plain_steps
-        for _ in range(count):
-            plain_step(batch)
-        plain_steps += count
-
     def synchronize() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    contenders: dict[str, Callable[[int], None]] = {
+    run_walls: list[float] = []  # each whole run() call: its steps plus its start and end
+
+    def run_replicator(warmup: int, count: int) -> float:
+        """Seconds for `count` steps inside one run(), after `warmup` steps of it: the steady state a long
+        training sees. run()'s start and end (its agreement, checks and record) are timed apart."""
+        total, timed_from, timed_to = warmup + count, 0.0, 0.0
+        started = time.perf_counter()
+        # run() counts steps over the whole training: ask for `total` more.
+        steps = repl.run(step_fn, [batch] * total, steps=repl.global_step + total, progress=False, warmup_steps=0)
+        for index, _ in enumerate(steps):
+            if index in (warmup - 1, total - 1):  # the step's work is queued when run() yields it
+                synchronize()
+                timed_from, timed_to = (time.perf_counter(), timed_to) if index == warmup - 1 else (
+                    timed_from, time.perf_counter())
+        run_walls.append(time.perf_counter() - started)
+        return timed_to - timed_from
+
+    plain_step = _plain_step(plain, plain_optimizer, device.type, options.precision)
+    plain_steps = 0
+
+    def run_plain(warmup: int, count: int) -> float:
+        nonlocal plain_steps
+        for _ in range(warmup):
+            plain_step(batch)
+        synchronize()
+        started = time.perf_counter()
+        for _ in range(count):
+            plain_step(batch)
+        synchronize()  # the GPU must have finished the work being timed
+        plain_steps += warmup + count
+        return time.perf_counter() - started
+
+    contenders: dict[str, Callable[[int, int], float]] = {
         "replicator, 1 replica (repl.run)": run_replicator, "plain PyTorch loop": run_plain,
     }
     rates: dict[str, list[float]] = {name: [] for name in contenders}
     names = list(contenders)
     for _, name in in_turns(names, options.repeats):  # alternate who goes first
-        contenders[name](options.warmup)
-        synchronize()
-        started = time.perf_counter()
-        contenders[name](options.steps)
-        synchronize()  # the GPU must have finished the work being timed
-        rates[name].append(options.batch * options.steps / (time.perf_counter() - started))
+        seconds = contenders[name](options.warmup, options.steps)
+        rates[name].append(options.batch * options.steps / seconds)
+    # What a run() call adds once, besides its steps at the steady rate.
+    per_step = options.batch / Spread.of(rates[names[0]]).median
+    run_fixed_ms = [1000 * (wall - (options.warmup + options.steps) * per_step) for wall in run_walls]
 
     # Same weights, same data, same number of steps: a large gap would mean different work.
     checks["steps, replicator / plain"] = f"{repl.global_step} / {plain_steps}"
@@ -256,10 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, spread in spreads.items():
         print(f"| {name} | {spread.median:,.1f} | {spread.min:,.1f} | {spread.max:,.1f} |")
     print(f"\nratio replicator / plain loop: {ratio:.3f} (ratio of medians), {paired:.3f} (median paired)")
+    print(f"each run() call's start and end, beyond its steps: median {Spread.of(run_fixed_ms).median:.1f} ms")
     print(f"parameter max |diff| after the runs: {worst:.3g} (largest parameter {scale:.3g}; mixed precision "
           "and cuDNN's non-deterministic kernels allow small differences)")
     write_json(options.json, {
         "device": where, "options": vars(options), "checks": checks, "verified": verified, "rates": rates,
+        "run_fixed_ms": run_fixed_ms,
         "medians": medians, "ratio": ratio, "paired_ratio": paired, "parameter_max_diff": worst,
     }, header)
     repl.close()

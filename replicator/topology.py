@@ -356,7 +356,8 @@ def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float =
             os.environ.setdefault("RANK", str(topology.rank))
             os.environ.setdefault("WORLD_SIZE", str(topology.world_size))
         if topology.device.type == "cuda":
-            topology.refuse_shared_gpus(mesh.replica_partition if servers else [list(range(topology.world_size))])
+            # Only the groups that average gradients run NCCL collectives (servers and actors use Gloo).
+            topology.refuse_shared_gpus(mesh.group_partition if servers else [list(range(topology.world_size))])
             torch.cuda.set_device(topology.device)
         store, rank, world_size = _store_for_next_job(timeout)
         dist.init_process_group(topology.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -377,7 +378,12 @@ def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float =
     if servers:
         everyone = new_group(list(range(topology.world_size)), backend="gloo")
         role_control = my_group(mesh.replica_partition, backend="gloo")
-        role = my_group(mesh.replica_partition)
+        # The sync groups average gradients on the data backend; the servers' (or actors') group talks
+        # over Gloo, so that on a GPU machine actors and servers may share the learners' GPUs.
+        role = None
+        for ranks in mesh.replica_partition:
+            group = new_group(ranks, None if ranks in mesh.group_partition else "gloo")
+            role = group if topology.rank in ranks else role
         return ProcessGroups(world, role_control, role_control, role, None, role, None, mesh, everyone)
     # The control group is always Gloo on the CPU: its messages are tiny and must not
     # queue behind gradient traffic on the accelerator's stream.

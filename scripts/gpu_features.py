@@ -69,6 +69,8 @@ def _replicas(directory: str, reducer: str) -> dict[str, Any]:
     with repl.scope():
         model = _model(rp.nn.CrossReplicaBatchNorm2d)
         optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    # scope() builds on the replica's device, with that device's random generator: the reference starts from here.
+    initial = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
     share = GLOBAL_BATCH // repl.num_replicas
     mine = [(x[repl.replica_id * share:(repl.replica_id + 1) * share].to(repl.device),
              y[repl.replica_id * share:(repl.replica_id + 1) * share].to(repl.device)) for x, y in _data()]
@@ -89,12 +91,14 @@ def _replicas(directory: str, reducer: str) -> dict[str, Any]:
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
     parameters = {name: p.detach().cpu() for name, p in model.state_dict().items()}
     repl.close()
-    return {"parameters": parameters, "losses": losses, "devices": devices, "backend": backend}
+    return {"parameters": parameters, "initial": initial, "losses": losses, "devices": devices, "backend": backend}
 
 
-def _one_process(device: torch.device) -> dict[str, torch.Tensor]:
+def _one_process(device: torch.device, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     _exact_kernels()
-    model = _model(nn.BatchNorm2d).to(device)
+    model = _model(nn.BatchNorm2d)
+    model.load_state_dict(initial)
+    model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for images, labels in _data():
         loss = F.cross_entropy(model(images.to(device)), labels.to(device))
@@ -136,7 +140,7 @@ def check_replicas(directory: str, device_env: dict[str, str], reducer: str,
     results = run_replicas(_replicas, 2, directory, reducer, env=device_env, timeout_s=300)
     trained.update(results[0]["parameters"])
     device = torch.device("cuda" if device_env["REPLICATOR_DEVICE"] == "cuda" else "cpu")
-    reference = _one_process(device)
+    reference = _one_process(device, results[0]["initial"])
     worst, bound = _worst(results[0]["parameters"], reference), _bound(reference)
     same = all(torch.equal(results[0]["parameters"][k], results[1]["parameters"][k]) for k in reference)
     inside, buckets = _buckets_inside_backward(os.path.join(directory, f"timeline-{reducer}.json"))

@@ -19,6 +19,10 @@ if "REPLICATOR_RUNS" not in os.environ:
     os.environ["REPLICATOR_RUNS"] = tempfile.mkdtemp(prefix="replicator-test-runs-")
     atexit.register(shutil.rmtree, os.environ["REPLICATOR_RUNS"], ignore_errors=True)
 
+# The suite is about CPU processes joined by Gloo: on a GPU machine its in-process replicas compute on CPU too
+# (REPLICATOR_DEVICE=cuda pytest ... overrides it). The GPU path has its own check, scripts/gpu_check.sh.
+os.environ.setdefault("REPLICATOR_DEVICE", "cpu")
+
 
 @pytest.fixture
 def run_failing_fast() -> Callable[..., Any]:

@@ -164,7 +164,9 @@ class MixedPrecision:
         self.device_type = device.type
         if self.dtype is not None:
             check_autocast(self.device_type, self.dtype)
-        self.loss_scale = LossScale(self.settings, device) if self.name == "fp16" else None
+        # The scale lives on the host even for CUDA replicas: GradScaler's update kernel runs there, so
+        # reading it each step never waits for the GPU, and a CPU scalar multiplies CUDA losses as is.
+        self.loss_scale = LossScale(self.settings, torch.device("cpu")) if self.name == "fp16" else None
         optimizers.loss_scale = self.loss_scale  # it decides every update (SyncedOptimizers)
         self.optimizers = optimizers
         self.state: GradientState = optimizers.state
@@ -223,7 +225,7 @@ class MixedPrecision:
         which it scales with what this yields: the scaling of every outermost backward pass stands aside."""
         self._pipelines += 1
         try:
-            yield lambda loss: loss * self._roots.to(loss.device)
+            yield lambda loss: loss * self._roots
         finally:
             self._pipelines -= 1
         if self.replicas == 1:
@@ -254,10 +256,10 @@ class MixedPrecision:
         scaled: list[torch.Tensor | None] = []
         for root, grad in zip(roots, given):
             if grad is not None:
-                scaled.append(grad * self._roots.to(grad.device))
+                scaled.append(grad * self._roots)
             elif isinstance(root, torch.Tensor) and root.requires_grad and root.numel() == 1:
                 # As GradScaler.scale(loss).backward(): the root's gradient is the scale, in the root's dtype.
-                scaled.append((torch.ones_like(root, dtype=torch.float32) * self._roots.to(root.device)).to(root.dtype))
+                scaled.append((torch.ones_like(root, dtype=torch.float32) * self._roots).to(root.dtype))
             else:
                 scaled.append(None)  # torch raises its own error (a non-scalar root needs a gradient)
         return scaled

@@ -30,7 +30,7 @@ from torch.autograd import Variable
 
 from replicator.comm.agreement import Agreement, PendingAgreement, call_site, raise_with_stragglers
 from replicator.errors import ReplicatorUsageError
-from replicator.health import finite_sum
+from replicator.health import all_finite
 from replicator.sync.bucket import Bucket, Reducer, assign_buckets
 from replicator.sync.sparse import sparse_parameters, sum_sparse
 from replicator.sync.state import GradientState, UpdateCount
@@ -375,8 +375,8 @@ class GradientSynchronizer:
         """After finalize(): are all averaged gradients finite? The same answer on every replica."""
         if self.size > 1:
             sparse = [p.grad._values() for p in self.params if p.grad is not None and p.grad.is_sparse]
-            return finite_sum([*(bucket.buffer[: bucket.numel] for bucket in self.buckets), *sparse])
-        return finite_sum(p.grad._values() if p.grad.is_sparse else p.grad for p in self.params if p.grad is not None)
+            return all_finite([*(bucket.buffer[: bucket.numel] for bucket in self.buckets), *sparse])
+        return all_finite(p.grad._values() if p.grad.is_sparse else p.grad for p in self.params if p.grad is not None)
 
     def reopen(self, factor: float) -> None:
         """A backward pass starts in a window already averaged: scale the averages by `factor` (fp16's, see

@@ -151,6 +151,7 @@ def launch_job(
     env = {k: v for k, v in os.environ.items() if k not in rendezvous}
     # TMPDIR: the launcher keeps a failed attempt's log in a temporary directory, here in workdir.
     env.update({_env.PROGRESS: "0", "PYTHONUNBUFFERED": "1", "TMPDIR": str(workdir)})
+    env.setdefault(_env.DEVICE, "cpu")  # as run_replicas: several processes, one machine, maybe one GPU
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         output, _ = launcher.communicate(timeout=timeout_s)

@@ -52,7 +52,7 @@ def test_a_short_benchmark_run_reports_every_arm(tmp_path: Path) -> None:
                "--replay-batches", "20", "--d4pg-args", d4pg, "--json", str(output)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=140, cwd=ROOT,
                             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "REPLICATOR_THREADS": "1",
-                                 "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]})
+                                 "REPLICATOR_DEVICE": "cpu", "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]})
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(output.read_text())
     for name in ("td3", "ddpg"):

@@ -66,8 +66,9 @@ def run_example(*args: str, timeout: float = 120) -> subprocess.CompletedProcess
     """The example run plainly: it launches its own job of learners, actors and the evaluator."""
     return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT, env={"PATH": "/usr/bin:/bin", "REPLICATOR_PROGRESS": "0",
-                                         "REPLICATOR_THREADS": "1", "REPLICATOR_TIMEOUT": "30",
-                                         "PYTHONPATH": str(ROOT), "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]})
+                                         "REPLICATOR_DEVICE": "cpu", "REPLICATOR_THREADS": "1",
+                                         "REPLICATOR_TIMEOUT": "30", "PYTHONPATH": str(ROOT),
+                                         "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]})
 
 
 # Small enough for seconds: 200 warm-up transitions, then a learner step (batch 64) per 2 env steps.
