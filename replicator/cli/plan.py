@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from replicator.plan import presets, published
 from replicator.plan.conversion import cast_bandwidth_from_memory
 from replicator.plan.planner import (
+    BY_ALGORITHM,
     MB,
     REDUCERS,
     Cluster,
@@ -22,7 +23,7 @@ from replicator.plan.planner import (
     plan,
     with_compression,
 )
-from replicator.plan.profile import GradientProfile, from_factory
+from replicator.plan.profile import FIRST_BUCKET_BYTES, GradientProfile, from_factory
 from replicator.plan.step import Accelerator, Workload
 from replicator.plan.transports import TRANSPORTS
 
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 __all__ = ["add_parser", "add_arguments", "main"]
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9, "t": 1e12}
+# Bytes per gradient element for --gradient-dtype.
+_GRADIENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def _quantity(text: str) -> float:
@@ -111,6 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--flops-per-sample", type=_quantity, default=None,
                        help="forward FLOPs per sample (a multiply-add is 2), e.g. 8.2G")
     model.add_argument("--batch-per-gpu", type=_count, default=32, help="samples per GPU per step (default: 32)")
+    model.add_argument("--gradient-dtype", choices=sorted(_GRADIENT_BYTES), default="float32",
+                       help="the type the model's gradients are in, hence on the wire with no conversion "
+                            "(float16 or bfloat16 for a model trained in 16 bits; --fp16 weighs compressing "
+                            "float32 gradients instead) (default: float32)")
     measured = model.add_mutually_exclusive_group()
     measured.add_argument("--samples-per-s", type=_positive, default=None,
                           help="training throughput measured on one device at --batch-per-gpu; replaces the "
@@ -126,7 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="what links GPUs in a node; sets the achieved share of --intra-bw (default: nvlink)")
     cluster.add_argument("--intra-efficiency", type=_fraction, default=None,
                          help="achieved share of --intra-bw, overriding the transport's default")
-    cluster.add_argument("--intra-latency", type=float, default=presets.INTRA_NODE_LATENCY * 1e6,
+    cluster.add_argument("--intra-latency", type=float, default=round(presets.INTRA_NODE_LATENCY * 1e6, 6),
                          help="µs per message step inside a node (default: 5)")
     cluster.add_argument("--inter-bw", type=_positive, default=presets.INFINIBAND_EDR.value / 1e9,
                          help="GB/s one way of a node's network port, line rate, shared by its GPUs "
@@ -135,7 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="what links nodes; sets the achieved share of --inter-bw (default: infiniband)")
     cluster.add_argument("--inter-efficiency", type=_fraction, default=None,
                          help="achieved share of --inter-bw, overriding the transport's default")
-    cluster.add_argument("--inter-latency", type=float, default=presets.NETWORK_LATENCY * 1e6,
+    cluster.add_argument("--inter-latency", type=float, default=round(presets.NETWORK_LATENCY * 1e6, 6),
                          help="µs per message step across the network (default: 10)")
     cluster.add_argument("--gpu-flops", type=_positive, default=presets.P100_SXM2_FP32.value / 1e12,
                          help="peak TFLOP/s of one GPU (default: 10.6, P100 fp32)")
@@ -144,14 +151,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "with --fp16 (default: 732, P100)")
     cluster.add_argument("--efficiency", type=_fraction, default=presets.COMPUTE_EFFICIENCY,
                          help="fraction of peak a real model achieves, when no throughput is measured (default: 0.5)")
-    cluster.add_argument("--overlap", type=float, default=1.0,
-                         help="share of the ideal overlap of gradient all-reduce with backward that happens: "
-                              "1 when it has resources of its own (GPUs), towards 0 where it competes "
-                              "with compute for the same cores (default: 1)")
+    cluster.add_argument("--overlap", type=float, default=1.0 - presets.INTERFERENCE,
+                         help="share of the ideal overlap of gradient all-reduce with backward that happens, "
+                              "1 − the interference: towards 0 where communication competes with compute for "
+                              f"the same cores (default: {1.0 - presets.INTERFERENCE:g}, the interference "
+                              f"{presets.INTERFERENCE:g} fitted to the published results, as --reproduce uses)")
     cluster.add_argument("--max-gpus", type=_count, default=256, help="largest GPU count to plan for (default: 256)")
 
     choices = parser.add_argument_group("what to consider")
-    choices.add_argument("--bucket-mb", type=_positive, default=None, help="fix the gradient bucket (default: search)")
+    choices.add_argument("--bucket-mb", type=_positive, default=None,
+                         help="fix the gradient bucket, MiB (default: search 1-256 and the whole gradient)")
+    choices.add_argument("--first-bucket-mb", type=_positive, default=FIRST_BUCKET_BYTES / MB,
+                         help="the first bucket backward fills, MiB (default: 1, the runtime's; a system "
+                              "without a small first message, as Horovod's fusion buffer: the bucket size)")
+    choices.add_argument("--all-reduce", action="append", choices=sorted(BY_ALGORITHM), default=None,
+                         help="the all-reduce algorithm to price, repeatable (default: ring and hierarchical, "
+                              "what Replicator's 'flat' and 'hierarchical' reducers run; rhd: recursive "
+                              "halving-doubling, for a backend that runs it)")
+    choices.add_argument("--baseline-gpus", type=_count, default=1,
+                         help="report scaling efficiency against this many GPUs, e.g. one node (default: 1)")
     choices.add_argument("--fp16", action="store_true", help="also consider fp16 gradient compression")
     choices.add_argument("--max-stages", type=_count, default=1,
                          help="also consider pipelines up to K stages (default: 1)")
@@ -197,8 +215,8 @@ def _workload(options: argparse.Namespace) -> tuple[str, Workload]:
         what = "--model-from without --input-shape" if options.model_from else "--params"
         raise ValueError(f"{what} says nothing about compute: add --flops-per-sample, --samples-per-s or --step-ms")
     assert params is not None
-    return name, Workload(params, flops, options.batch_per_gpu, activation_bytes_per_sample=options.activation_mb * MB,
-                          step_s=step_s, profile=profile)
+    return name, Workload(params, flops, options.batch_per_gpu, _GRADIENT_BYTES[options.gradient_dtype],
+                          activation_bytes_per_sample=options.activation_mb * MB, step_s=step_s, profile=profile)
 
 
 def _console() -> Console:
@@ -208,9 +226,17 @@ def _console() -> Console:
     return Console(width=None if sys.stdout.isatty() else 160)
 
 
-def _cell(prediction: Prediction) -> str:
+def _cell(prediction: Prediction, efficiency: float) -> str:
     bucket = "" if prediction.gpus == 1 else f" {prediction.bucket / MB:.3g}MB"
-    return f"{prediction.efficiency:.1%} {prediction.step_time * 1e3:.1f}ms{bucket}"
+    return f"{efficiency:.1%} {prediction.step_time * 1e3:.1f}ms{bucket}"
+
+
+def _efficiency(result: Plan, prediction: Prediction, baseline_gpus: int) -> float:
+    """Scaling efficiency against `baseline_gpus` (the recommended configuration there), per GPU at the same batch;
+    against one GPU that is `Prediction.efficiency`."""
+    if baseline_gpus == 1:
+        return prediction.efficiency
+    return result.recommended[baseline_gpus].step_time / prediction.step_time
 
 
 def _rate(samples_per_second: float) -> str:
@@ -226,7 +252,7 @@ def _arguments(prediction: Prediction) -> str:
     return shape if pipe.stages == 1 else f"{shape}, stages={pipe.stages}, chunks={pipe.micro_batches}"
 
 
-def _print_plan(result: Plan, reducers: list[str], title: str) -> None:
+def _print_plan(result: Plan, reducers: list[str], title: str, baseline_gpus: int) -> None:
     from rich.table import Table
 
     configurations = result.configurations()
@@ -234,10 +260,12 @@ def _print_plan(result: Plan, reducers: list[str], title: str) -> None:
     shared = {r for r in reducers if len({p.algorithm.algorithm for p in result.predictions.values()
                                           if p.reducer == r}) > 1}
     table = Table(title=title)
+    against = "" if baseline_gpus == 1 else f" vs {baseline_gpus}"
     table.add_column("GPUs", justify="right")
     for reducer in reducers:
         # What Replicator(reducer=...) takes, then what each cell holds.
-        table.add_column(f"{reducer}\neff. step bucket" + (" (model)" if reducer in shared else ""), justify="right")
+        table.add_column(f"{reducer}\neff.{against} step bucket" + (" (model)" if reducer in shared else ""),
+                         justify="right")
     table.add_column("recommended", justify="left")
     table.add_column("samples/s", justify="right")
     for gpus in result.gpu_counts:
@@ -246,7 +274,7 @@ def _print_plan(result: Plan, reducers: list[str], title: str) -> None:
         for reducer in reducers:
             prediction = configurations[(gpus, reducer, 1, 1)]
             algorithm = f" {prediction.algorithm.algorithm}" if reducer in shared and gpus > 1 else ""
-            row.append(_cell(prediction) + algorithm)
+            row.append(_cell(prediction, _efficiency(result, prediction, baseline_gpus)) + algorithm)
         table.add_row(*row, _arguments(best), _rate(best.throughput))
     console = _console()
     console.print(table)
@@ -257,15 +285,16 @@ def _print_plan(result: Plan, reducers: list[str], title: str) -> None:
         f"(compute {step.compute * 1e3:.1f}, bubble {step.bubble * 1e3:.1f}, exposed communication "
         f"{step.exposed * 1e3:.1f} of {step.communication * 1e3:.1f} ms, of which the last bucket's tail "
         f"{step.tail * 1e3:.1f}), {_rate(top.throughput)} samples/s, "
-        f"{top.efficiency:.1%} scaling efficiency vs 1 GPU."
+        f"{_efficiency(result, top, baseline_gpus):.1%} scaling efficiency vs {baseline_gpus} "
+        f"GPU{'s' if baseline_gpus > 1 else ''}."
     )
 
 
 def _print_reproduction() -> None:
     from rich.table import Table
 
-    fitted = published.fitted_assumptions()
-    table = Table(title=f"Published scaling results against this model (interference {fitted.interference:.3f}; "
+    fitted = published.MODEL
+    table = Table(title=f"Published scaling results against this model (interference {fitted.interference:g}; "
                         "inputs: replicator/plan/published.py; † outside the model)")
     for column in ("case", "GPUs", "reducer", "step", "exposed", "tail", "predicted", "published", "error"):
         table.add_column(column, justify="left" if column in ("case", "reducer") else "right")
@@ -293,8 +322,9 @@ def _cluster(options: argparse.Namespace, gpu_flops: float, intra_bw: float, int
         accelerator = Accelerator(gpu_flops, options.efficiency, options.overlap, *conversion)
     except ValueError as error:
         raise ValueError(f"--overlap: {error}") from None
+    # µs to s by division: 5 / 1e6 is the float 5e-6 the published rows use, 5 * 1e-6 is one ulp off it.
     cluster = Cluster.two_level(options.gpus_per_node, intra_bw, intra_latency, options.inter_bw * 1e9,
-                                options.inter_latency * 1e-6, intra_efficiency, inter_efficiency)
+                                options.inter_latency / 1e6, intra_efficiency, inter_efficiency)
     return accelerator, cluster
 
 
@@ -306,7 +336,7 @@ def main(options: argparse.Namespace) -> int:
             return 0
         name, workload = _workload(options)
         gpu_flops, intra_bw = options.gpu_flops * 1e12, options.intra_bw * 1e9
-        intra_latency = options.intra_latency * 1e-6
+        intra_latency = options.intra_latency / 1e6
         intra_efficiency = None
         # A GPU casts at memory speed and NCCL sums fp16 natively; --calibrate measures both here.
         conversion = (cast_bandwidth_from_memory(options.memory_bw * 1e9), math.inf)
@@ -334,29 +364,60 @@ def main(options: argparse.Namespace) -> int:
                 f"{measured.cast_bandwidth / 1e9:.1f} GB/s of fp32, fp16 sums "
                 f"{measured.fp16_sum_rate / 1e6:.0f} M elements/s beyond their bytes.\n")
         accelerator, cluster = _cluster(options, gpu_flops, intra_bw, intra_latency, intra_efficiency, conversion)
-        counts = gpu_counts(cluster, options.max_gpus)
-        reducers = with_compression(REDUCERS) if options.fp16 else REDUCERS
+        counts = _counts(cluster, options.max_gpus, options.baseline_gpus)
+        chosen = REDUCERS if options.all_reduce is None else tuple(
+            BY_ALGORITHM[name] for name in dict.fromkeys(options.all_reduce))
+        reducers = with_compression(chosen) if options.fp16 else chosen
         buckets = None if options.bucket_mb is None else [options.bucket_mb * MB]
-        result = plan(workload, accelerator, cluster, counts, reducers, buckets, options.max_stages, options.recompute)
+        result = plan(workload, accelerator, cluster, counts, reducers, buckets, options.max_stages, options.recompute,
+                      first_bucket=options.first_bucket_mb * MB)
+        if workload.step_s is None:
+            _warn_flops(workload, accelerator)
         if options.json:
-            print(json.dumps(_records(result), indent=1))
+            print(json.dumps(_records(result, options.baseline_gpus), indent=1))
             return 0
         compute = (f"{workload.batch_per_gpu / workload.step_s:,.1f} samples/s measured" if workload.step_s
-                   else f"{(workload.flops_per_sample or 0) / 1e9:.2f} GFLOP/sample")
+                   else f"{(workload.flops_per_sample or 0) / 1e9:.2f} GFLOP/sample (estimated)")
         title = (f"{name}: {workload.params / 1e6:,.1f} M params, {compute}, batch {workload.batch_per_gpu}/GPU, "
-                 f"{options.gpus_per_node} GPUs/node, overlap {accelerator.overlap:g}")
-        _print_plan(result, list(dict.fromkeys(r.reducer for r in reducers)), title)
+                 f"{options.gpus_per_node} GPUs/node, interference {1 - accelerator.overlap:.4g}")
+        _print_plan(result, list(dict.fromkeys(r.reducer for r in reducers)), title, options.baseline_gpus)
         return 0
     except ValueError as error:
         print(f"replicator plan: {error}", file=sys.stderr)
         return 2
 
 
-def _records(result: Plan) -> list[dict[str, object]]:
+def _counts(cluster: Cluster, max_gpus: int, baseline_gpus: int) -> list[int]:
+    """The GPU counts to plan for, the baseline among them."""
+    counts = gpu_counts(cluster, max_gpus)
+    if baseline_gpus not in counts:
+        if baseline_gpus > max_gpus:
+            raise ValueError(f"--baseline-gpus {baseline_gpus} is above --max-gpus {max_gpus}")
+        try:
+            cluster.levels(baseline_gpus)
+        except ValueError as error:  # a count that does not fill whole nodes: the message names the unit
+            raise ValueError(f"--baseline-gpus {baseline_gpus}: {error}") from None
+        counts = sorted({*counts, baseline_gpus})
+    return counts
+
+
+def _warn_flops(workload: Workload, accelerator: Accelerator) -> None:
+    """Say on stderr that compute is an estimate: the figures published rows validate come from measured steps."""
+    print(f"replicator plan: warning: compute is estimated from FLOPs ({(workload.flops_per_sample or 0) / 1e9:.3g} "
+          f"GFLOP per sample at {accelerator.achieved_flops / 1e12:.3g} TFLOP/s achieved), not measured. Real "
+          "layers run far from it (VGG-16 on a P100: 57 images/s estimated at 50% of peak, 132 measured), and "
+          "slower compute hides more communication, so scaling comes out too good; the published results were "
+          "reproduced from measured steps. Time a few steps on one device and give --samples-per-s or --step-ms.",
+          file=sys.stderr)
+
+
+def _records(result: Plan, baseline_gpus: int = 1) -> list[dict[str, object]]:
     """One record per configuration a user can paste (GPU count × runtime reducer, and recommended pipelines),
-    marked as recommended or not; `algorithm` names the cost model that predicted it."""
+    marked as recommended or not; `algorithm` names the cost model that predicted it. `efficiency` is against
+    one GPU, `baseline_efficiency` against `baseline_gpus`."""
     recommended = {id(p) for p in result.recommended.values()}
-    records = [{**prediction.to_dict(), "recommended": id(prediction) in recommended}
+    records = [{**prediction.to_dict(), "recommended": id(prediction) in recommended,
+                "baseline_gpus": baseline_gpus, "baseline_efficiency": _efficiency(result, prediction, baseline_gpus)}
                for _, prediction in sorted(result.configurations().items(), key=lambda item: item[0])]
     return records
 

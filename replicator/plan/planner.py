@@ -16,6 +16,10 @@ __all__ = [
     "Tier",
     "Cluster",
     "ReduceAlgorithm",
+    "FLAT_RING",
+    "FLAT_RHD",
+    "HIERARCHICAL",
+    "BY_ALGORITHM",
     "REDUCERS",
     "runtime_reducer",
     "with_compression",
@@ -166,11 +170,16 @@ def runtime_reducer(algorithm: str, gradient_bytes: int | None = None) -> str:
     return wire if topology == "flat" else f"{wire}@{topology}"
 
 
-REDUCERS: tuple[ReduceAlgorithm, ...] = (
-    ReduceAlgorithm("flat-ring", "ring", reducer="flat"),
-    ReduceAlgorithm("flat-rhd", "rhd", reducer="flat"),
-    ReduceAlgorithm("hierarchical", "hierarchical", reducer="hierarchical"),
-)
+FLAT_RING = ReduceAlgorithm("flat-ring", "ring", reducer="flat")
+FLAT_RHD = ReduceAlgorithm("flat-rhd", "rhd", reducer="flat")
+HIERARCHICAL = ReduceAlgorithm("hierarchical", "hierarchical", reducer="hierarchical")
+# Each cost model by the `algorithm` name `replicator plan --all-reduce` takes.
+BY_ALGORITHM: dict[str, ReduceAlgorithm] = {a.algorithm: a for a in (FLAT_RING, FLAT_RHD, HIERARCHICAL)}
+# The runtime's reducers as the validated model prices them (docs/concepts/scaling.md): "flat" is one
+# backend all-reduce, a ring as NCCL runs it in the published rows; "hierarchical" is ring per tier. Recursive
+# halving-doubling (FLAT_RHD) is what a system runs only when it says so (Caffe2's Gloo in Goyal et al.):
+# pricing "flat" as the faster of the two credited the runtime with an algorithm it does not run.
+REDUCERS: tuple[ReduceAlgorithm, ...] = (FLAT_RING, HIERARCHICAL)
 
 
 def with_compression(algorithms: Sequence[ReduceAlgorithm], wire: str = "fp16",
@@ -341,9 +350,12 @@ def predict(workload: Workload, accelerator: Accelerator, cluster: Cluster, gpus
 
 
 def _buckets_for(workload: Workload, buckets: Sequence[float] | None) -> list[float]:
+    """The bucket sizes to try: the ones given, as given (a system's fixed message size), else the candidates
+    below the whole gradient and the whole gradient."""
+    if buckets:
+        return sorted(set(buckets))
     whole = workload.gradient_size
-    candidates = sorted({b for b in (buckets or BUCKET_CANDIDATES) if b < whole})
-    return candidates + [whole]
+    return sorted({b for b in BUCKET_CANDIDATES if b < whole}) + [whole]
 
 
 def _pick(candidates: list[Prediction], tolerance: float) -> Prediction:
@@ -354,7 +366,7 @@ def _pick(candidates: list[Prediction], tolerance: float) -> Prediction:
 
 def best_bucket(workload: Workload, accelerator: Accelerator, cluster: Cluster, gpus: int, reducer: ReduceAlgorithm,
                 pipeline: Pipeline = NO_PIPELINE, buckets: Sequence[float] | None = None,
-                tolerance: float = TOLERANCE) -> Prediction:
+                tolerance: float = TOLERANCE, first_bucket: float = FIRST_BUCKET_BYTES) -> Prediction:
     """The largest bucket whose step is within `tolerance` of the fastest.
 
     In a pure alpha–beta model ever smaller buckets keep shaving the exposed tail, but
@@ -362,7 +374,8 @@ def best_bucket(workload: Workload, accelerator: Accelerator, cluster: Cluster, 
     gain below the tolerance is not worth more, smaller messages.
     """
     sizes = sorted(_buckets_for(workload, buckets), reverse=True)
-    candidates = [predict(workload, accelerator, cluster, gpus, reducer, size, pipeline) for size in sizes]
+    candidates = [predict(workload, accelerator, cluster, gpus, reducer, size, pipeline, first_bucket)
+                  for size in sizes]
     fastest = min(c.step_time for c in candidates)
     return next(c for c in candidates if c.step_time <= fastest * (1 + tolerance))
 
@@ -397,21 +410,26 @@ def _pipelines(gpus: int, batch_per_gpu: int, max_stages: int, recompute: bool) 
 
 def plan(workload: Workload, accelerator: Accelerator, cluster: Cluster, counts: Sequence[int],
          reducers: Sequence[ReduceAlgorithm] = REDUCERS, buckets: Sequence[float] | None = None,
-         max_stages: int = 1, recompute: bool = False, tolerance: float = TOLERANCE) -> Plan:
+         max_stages: int = 1, recompute: bool = False, tolerance: float = TOLERANCE,
+         first_bucket: float = FIRST_BUCKET_BYTES) -> Plan:
     """Predict every GPU count × reducer (best bucket each) and recommend one configuration per GPU count.
 
     With `max_stages` > 1 the recommendation also weighs pipelines of K = 2, 4, ...
     stages with M = K, 2K, 4K, 8K micro-batches; near-ties go to fewer stages, fewer
     micro-batches (bigger micro-batches keep a GPU busier than this model credits),
     the earlier reducer and the larger bucket. `tolerance` is the relative step-time
-    difference treated as a tie.
+    difference treated as a tie. `buckets`, given, are the only sizes tried (a system with a
+    fixed message size); `first_bucket` is the size of the first one backward fills.
+    `published.PublishedCase` predicts every published row through this function, as
+    `replicator plan` does, so the command and `--reproduce` are one model.
     """
     result = Plan()
     for gpus in counts:
         candidates: list[Prediction] = []
         for pipeline in _pipelines(gpus, workload.batch_per_gpu, max_stages, recompute):
             for reducer in reducers:
-                best = best_bucket(workload, accelerator, cluster, gpus, reducer, pipeline, buckets, tolerance)
+                best = best_bucket(workload, accelerator, cluster, gpus, reducer, pipeline, buckets, tolerance,
+                                   first_bucket)
                 if pipeline == NO_PIPELINE:
                     result.predictions[(gpus, reducer.name)] = best
                 candidates.append(best)

@@ -33,6 +33,7 @@ __all__ = [
     "INTRA_NODE_LATENCY",
     "NETWORK_LATENCY",
     "FUSION_BUCKET",
+    "INTERFERENCE",
 ]
 
 
@@ -141,3 +142,7 @@ INTRA_NODE_LATENCY = 5e-6
 NETWORK_LATENCY = 10e-6
 # Gradient message size: Horovod's documented default fusion buffer (64 MB, until v0.21).
 FUSION_BUCKET = 64 * 1024 * 1024
+# The share of overlapped all-reduce time that still lengthens the step (κ; `--overlap` is 1 − κ): the one
+# constant fitted to the published rows (published.fit_interference; tests/plan/test_published.py refits it
+# and fails if this differs). `replicator plan` and `replicator plan --reproduce` both use it.
+INTERFERENCE = 0.4775

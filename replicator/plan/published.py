@@ -6,13 +6,14 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from replicator.plan.planner import MB, Cluster, Prediction, ReduceAlgorithm, predict
+from replicator.plan.planner import FLAT_RHD, FLAT_RING, HIERARCHICAL, MB, Cluster, Prediction, ReduceAlgorithm, plan
 from replicator.plan.presets import (
     DGX2H_NETWORK,
     ETHERNET_50G,
     ETHERNET_100G,
     FUSION_BUCKET,
     INFINIBAND_EDR,
+    INTERFERENCE,
     INTRA_NODE_LATENCY,
     MODELS,
     NETWORK_LATENCY,
@@ -33,6 +34,7 @@ __all__ = [
     "Link",
     "Assumptions",
     "ASSUMPTIONS",
+    "MODEL",
     "PublishedCase",
     "PUBLISHED_CASES",
     "covered",
@@ -44,10 +46,6 @@ __all__ = [
     "leave_one_out_table",
     "sources_table",
 ]
-
-FLAT_RING = ReduceAlgorithm("flat-ring", "ring", reducer="flat")
-HIERARCHICAL = ReduceAlgorithm("hierarchical", "hierarchical", reducer="hierarchical")
-
 
 @dataclass(frozen=True)
 class Link:
@@ -74,6 +72,9 @@ class Assumptions:
 
 # The stated assumptions before the fit (fitted_assumptions() adds the fitted interference).
 ASSUMPTIONS = Assumptions()
+# The validated model: the stated assumptions with the fitted interference, as `replicator plan` uses them
+# (presets.INTERFERENCE; tests/plan/test_published.py checks that fitted_assumptions() gives it).
+MODEL = Assumptions(interference=INTERFERENCE)
 
 
 @dataclass(frozen=True)
@@ -109,23 +110,47 @@ class PublishedCase:
         return Workload(preset.params, preset.forward_flops, self.batch_per_gpu, self.gradient_bytes,
                         step_s=self.batch_per_gpu / self.throughput.value, profile=preset.profile())
 
-    def cluster(self, assumptions: Assumptions = ASSUMPTIONS) -> Cluster:
+    def cluster(self, assumptions: Assumptions = MODEL) -> Cluster:
         return Cluster.two_level(self.gpus_per_node, self.intra.rate.value, assumptions.intra_latency,
                                  self.inter.rate.value, assumptions.network_latency,
                                  self.intra.efficiency, self.inter.efficiency)
 
-    def prediction(self, assumptions: Assumptions = ASSUMPTIONS, gpus: int | None = None) -> Prediction:
+    def prediction(self, assumptions: Assumptions = MODEL, gpus: int | None = None) -> Prediction:
+        """The row predicted through `planner.plan`, the sweep `replicator plan` runs, with this system's one
+        algorithm and message size: `arguments()` typed on the command line gives the same prediction."""
         # The measured step replaces FLOPs; the peak given here is never used.
         accelerator = Accelerator(1.0, overlap=1.0 - assumptions.interference)
-        return predict(self.workload(), accelerator, self.cluster(assumptions), gpus or self.gpus, self.algorithm,
-                       self.bucket, first_bucket=self.first_bucket or self.bucket)
+        count = gpus or self.gpus
+        result = plan(self.workload(), accelerator, self.cluster(assumptions), [count], [self.algorithm],
+                      [self.bucket], first_bucket=self.first_bucket or self.bucket)
+        return result.recommended[count]
 
-    def predict(self, assumptions: Assumptions = ASSUMPTIONS) -> float:
+    def predict(self, assumptions: Assumptions = MODEL) -> float:
         """Predicted scaling efficiency against the publication's baseline (1 GPU, or `baseline_gpus`)."""
         at_scale = self.prediction(assumptions)
         if self.baseline_gpus == 1:
             return at_scale.efficiency
         return self.prediction(assumptions, self.baseline_gpus).step_time / at_scale.step_time
+
+    def arguments(self) -> list[str]:
+        """This row as `replicator plan` flags (exact values; printed figures then agree with `--reproduce`).
+
+        Every input is a fact about the system; the latencies and the interference are the model's defaults.
+        """
+        flags = {
+            "--model": self.model, "--max-gpus": self.gpus, "--gpus-per-node": self.gpus_per_node,
+            "--intra-bw": self.intra.rate.value / 1e9, "--intra-transport": self.intra.kind,
+            "--inter-bw": self.inter.rate.value / 1e9, "--inter-transport": self.inter.kind,
+            "--batch-per-gpu": self.batch_per_gpu, "--samples-per-s": self.throughput.value,
+            "--gradient-dtype": _GRADIENT_DTYPES[self.gradient_bytes], "--all-reduce": self.algorithm.algorithm,
+            "--bucket-mb": self.bucket / MB, "--first-bucket-mb": (self.first_bucket or self.bucket) / MB,
+            "--baseline-gpus": self.baseline_gpus,
+        }
+        return [text for flag, value in flags.items() for text in (flag, repr(value) if isinstance(value, float)
+                                                                     else str(value))]
+
+
+_GRADIENT_DTYPES = {4: "float32", 2: "float16"}
 
 
 def _scaled(figure: Hardware, ratio: float, why: str) -> Hardware:
@@ -193,7 +218,7 @@ PUBLISHED_CASES: tuple[PublishedCase, ...] = (
     _horovod("horovod-tcp-inception3-128", "inception_v3", 128, 0.88, P100_INCEPTION3, _HOROVOD_TCP, "tcp"),
     PublishedCase(
         "goyal-resnet50-256", "Caffe2 + Gloo (Facebook Big Basin)", "resnet50", 256, 8, Link(NVLINK1_DGX1, "nvlink"),
-        Link(ETHERNET_50G, "roce"), 32, P100_RESNET50, ReduceAlgorithm("flat-rhd", "rhd", reducer="flat"), 0.90,
+        Link(ETHERNET_50G, "roce"), 32, P100_RESNET50, FLAT_RHD, 0.90,
         "Goyal et al., arXiv 1706.02677, §4.3, §5.5: 32 servers × 8 P100 (NVLink), 50 Gbit/s Ethernet "
         "(ConnectX-4), ~90% relative to 8 GPUs; recursive halving-doubling per layer as backward produces it",
         bucket=1.0, baseline_gpus=8),
@@ -298,7 +323,7 @@ def inputs_table() -> str:
 
 def reproduction_table(assumptions: Assumptions | None = None) -> str:
     """Predicted against published efficiency for every case (docs/concepts/scaling.md quotes it verbatim)."""
-    stated = assumptions or fitted_assumptions()
+    stated = assumptions or MODEL
     lines = [
         "| case | GPUs | step | compute | exposed | of which tail | predicted | published | error |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",

@@ -12,8 +12,9 @@ from replicator.plan.calibrate import fit_fp16_sum_rate
 from replicator.plan.conversion import Compression, cast_bandwidth_from_memory, compression_of
 from replicator.plan.cost import all_reduce_time
 from replicator.plan.planner import (
+    FLAT_RHD,
+    FLAT_RING,
     MB,
-    REDUCERS,
     Cluster,
     ReduceAlgorithm,
     gpu_counts,
@@ -108,7 +109,9 @@ def test_conversion_inputs_refuse_nonsense() -> None:
 def test_a_plan_lists_each_runtime_configuration_once_with_the_model_it_assumed() -> None:
     cluster = Cluster.two_level(4, 40e9, 5e-6, 3.125e9, 10e-6)
     work = Workload(25.6e6, None, 32, step_s=0.1)
-    reducers = (*with_compression(REDUCERS), *with_compression(REDUCERS, "fp16", error_feedback=True)[3:])
+    # Both flat models (`replicator plan --all-reduce ring --all-reduce rhd`) run as one "flat".
+    models = (FLAT_RING, FLAT_RHD, HIERARCHICAL)
+    reducers = (*with_compression(models), *with_compression(models, "fp16", error_feedback=True)[len(models):])
     result = plan(work, Accelerator(1.0), cluster, gpu_counts(cluster, 64), reducers)
     chosen = result.configurations()
     assert len({(p.gpus, p.reducer, p.pipeline.stages, p.pipeline.micro_batches) for p in chosen.values()}) == len(

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from replicator.plan import published
+from replicator.plan import presets, published
 from replicator.plan.transports import TRANSPORTS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -46,6 +46,8 @@ def test_one_set_of_global_assumptions(fitted: published.Assumptions) -> None:
         levels = case.cluster(fitted).levels(case.gpus)
         assert {level.latency for level in levels} <= {fitted.intra_latency, fitted.network_latency}
     assert 0 <= fitted.interference <= 1
+    # The constant `replicator plan` and `--reproduce` use is this fit: refit, it must not have moved.
+    assert fitted == published.MODEL and fitted.interference == presets.INTERFERENCE
 
 
 def test_published_rows_against_the_targets(fitted: published.Assumptions) -> None:
