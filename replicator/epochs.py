@@ -232,8 +232,15 @@ class InputPosition:
             stream.bound(epochs, cycle=steps is not None)
             return stream
         pending, self.pending = self.pending, None
-        # Other inputs start from their first batch (only a restored position skips into one); the epoch count goes on.
-        start = Place.from_state(pending) if pending else Place(stream.position().epoch if stream is not None else 0)
+        if pending:
+            start = Place.from_state(pending)
+        elif stream is not None and inputs is self.inputs:
+            # The same inputs, their stream ended: go on from its position, all of it. A run whose epochs= were
+            # done before it read anything (a restored `for epoch in range(E)` loop's first calls) leaves the
+            # restored place there, in the middle of an epoch; starting that epoch again would re-train batches.
+            start = stream.position()
+        else:  # other inputs start from their first batch; the epoch count goes on
+            start = Place(stream.position().epoch if stream is not None else 0)
         source, device = self._source(inputs)
         if isinstance(source, Iterator) and epochs is not None and epochs - start.epoch > 1:
             raise ReplicatorUsageError(
