@@ -1,4 +1,4 @@
-"""Resuming a killed training trains each step once: in the per-epoch loop as in one run(epochs=).
+"""Resuming a killed training trains each step once: in the per-epoch loop as in one run(epochs=), and records it once.
 
 64 samples in global batches of 8 make 8 steps an epoch; checkpoints every 5 steps. A job
 killed at step 23 (in the middle of epoch 2) left its newest checkpoint at step 20, 4 batches
@@ -9,6 +9,7 @@ repl.run(..., epochs=epoch + 1)` loop as in one `run(epochs=E)`.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -103,3 +104,19 @@ def test_a_killed_training_resumes_each_step_once_in_the_epoch_loop_and_in_one_r
             # The loop form used to start epoch 2 again from its first batch: steps 20..43, other parameters.
             assert got["trained"] == list(range(20, EPOCHS * 8)), (form, rank, got["trained"])
             assert got["step"] == EPOCHS * 8 and _same(got, want), (form, rank)
+
+
+def _steps(record: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (record / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_resumed_run_appending_to_its_record_leaves_one_line_per_step(tmp_path: Path) -> None:
+    record = tmp_path / "record"
+    run_replicas(_training, 2, str(tmp_path / "ckpt"), EPOCHS, "epochs", KILL, "raise", str(record), timeout_s=240)
+    assert _steps(record) == list(range(KILL))  # steps 20..22 were recorded, then trained again after the restart
+    run_replicas(_training, 2, str(tmp_path / "ckpt"), EPOCHS, "epochs", -1, "kill", str(record), timeout_s=240)
+    assert _steps(record) == list(range(EPOCHS * 8))
+    # In the per-epoch loop each run() appends its epoch to the same record.
+    run_replicas(_training, 2, str(tmp_path / "loop"), 2, "loop", -1, "kill", str(tmp_path / "loop-record"),
+                 timeout_s=240)
+    assert _steps(tmp_path / "loop-record") == list(range(16))
