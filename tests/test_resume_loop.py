@@ -1,4 +1,4 @@
-"""Resuming a killed training trains each step once: in the per-epoch loop as in one run(epochs=), and records it once.
+"""Resuming a killed training trains each step once: the per-epoch loop, run(epochs=), a finished run extended.
 
 64 samples in global batches of 8 make 8 steps an epoch; checkpoints every 5 steps. A job
 killed at step 23 (in the middle of epoch 2) left its newest checkpoint at step 20, 4 batches
@@ -9,6 +9,8 @@ repl.run(..., epochs=epoch + 1)` loop as in one `run(epochs=E)`.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -106,6 +108,22 @@ def test_a_killed_training_resumes_each_step_once_in_the_epoch_loop_and_in_one_r
             assert got["step"] == EPOCHS * 8 and _same(got, want), (form, rank)
 
 
+def test_a_finished_training_extended_trains_no_step_again(tmp_path: Path) -> None:
+    # The same script never stopped: run(epochs=3), then run(epochs=5) in the same process.
+    whole = run_replicas(_training, 2, str(tmp_path / "whole"), EPOCHS, "3 then", timeout_s=240)
+    directory = str(tmp_path / "extended")
+    first = run_replicas(_training, 2, directory, 3, "epochs", timeout_s=240)
+    assert first[0]["trained"] == list(range(24))
+    # run() ended at step 24, between the cadence's checkpoints (20 and 25): it saved where it ended.
+    assert (latest(directory) or Path()).name == "step_000000024"
+    extended = run_replicas(_training, 2, directory, EPOCHS, "epochs", timeout_s=240)
+    for got, want in zip(extended, whole, strict=True):
+        assert got["trained"] == list(range(24, EPOCHS * 8)) and _same(got, want), got["trained"]
+    # The last step (40) wrote its checkpoint as the cadence's: none is written twice, none is missing.
+    assert sorted(p.name for p in Path(directory).iterdir()) == ["step_000000030", "step_000000035",
+                                                                 "step_000000040"]
+
+
 def _steps(record: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (record / "metrics.jsonl").read_text().splitlines()]
 
@@ -120,3 +138,33 @@ def test_a_resumed_run_appending_to_its_record_leaves_one_line_per_step(tmp_path
     run_replicas(_training, 2, str(tmp_path / "loop"), 2, "loop", -1, "kill", str(tmp_path / "loop-record"),
                  timeout_s=240)
     assert _steps(tmp_path / "loop-record") == list(range(16))
+
+
+def _ends_mid_accumulation(directory: str) -> str:
+    """3 micro-steps of accumulate(2), checkpointed every update: run() ends half-way through an update."""
+    repl = rp.Replicator()
+    with repl.scope():
+        model = torch.nn.Linear(FEATURES, CLASSES)
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    repl.accumulate(2)
+
+    def step_fn(ctx: rp.ReplicaContext, batch: torch.Tensor) -> torch.Tensor:
+        loss = model(batch).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        for _ in repl.run(step_fn, [torch.ones(2, FEATURES)] * 3, checkpoint_every=2, checkpoint_dir=directory,
+                          progress=False, record=False):
+            pass
+    return said.getvalue()
+
+
+def test_a_run_ending_inside_an_accumulation_says_why_it_saved_no_final_checkpoint(tmp_path: Path) -> None:
+    said = run_replicas(_ends_mid_accumulation, 2, str(tmp_path), timeout_s=120)
+    assert "no checkpoint where run() ended (step 3): it ended in the middle of a gradient accumulation" in said[0]
+    assert said[1] == ""  # the main process says it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000002"]
