@@ -82,7 +82,7 @@ class EpochStream(Iterator[Any]):
         self.frontier = start  # the place of the next batch to read from the source
         self.exhausted = False
         self.global_batch: int | None = None
-        self._expected_batch = expected_global_batch
+        self.expected_batch = expected_global_batch
         self._fetched: deque[tuple[Place, Any]] = deque()  # read, not yet trained on
         self._replay: deque[tuple[Place, Any]] = deque()  # read by an earlier run that stopped before them
         self._batches = self._read(start)
@@ -104,10 +104,10 @@ class EpochStream(Iterator[Any]):
         """The step loop trains on the oldest fetched batch (of `size` samples) now; returns its epoch."""
         place, _ = self._fetched.popleft()
         size *= self.num_replicas
-        if self._expected_batch is not None and size != self._expected_batch:
-            self.say(f"replicator: warning: the checkpoint's run trained on a global batch of {self._expected_batch}; "
+        if self.expected_batch is not None and size != self.expected_batch:
+            self.say(f"replicator: warning: the checkpoint's run trained on a global batch of {self.expected_batch}; "
                      f"this run's is {size}, so it does not continue that training exactly")
-        self._expected_batch, self.global_batch = None, size
+        self.expected_batch, self.global_batch = None, size
         return place.epoch
 
     def rewind(self) -> None:
@@ -232,8 +232,16 @@ class InputPosition:
             stream.bound(epochs, cycle=steps is not None)
             return stream
         pending, self.pending = self.pending, None
-        # Other inputs start from their first batch (only a restored position skips into one); the epoch count goes on.
-        start = Place.from_state(pending) if pending else Place(stream.position().epoch if stream is not None else 0)
+        expected = None  # the global batch of the checkpoint's run, to warn if this one's differs
+        if pending:
+            start, expected = Place.from_state(pending), pending.get("global_batch")
+        elif stream is not None and inputs is self.inputs:
+            # The same inputs, their stream ended: go on from its position, all of it. A run whose epochs= were
+            # done before it read anything (a restored `for epoch in range(E)` loop's first calls) leaves the
+            # restored place there, in the middle of an epoch; starting that epoch again would re-train batches.
+            start, expected = stream.position(), stream.expected_batch
+        else:  # other inputs start from their first batch; the epoch count goes on
+            start = Place(stream.position().epoch if stream is not None else 0)
         source, device = self._source(inputs)
         if isinstance(source, Iterator) and epochs is not None and epochs - start.epoch > 1:
             raise ReplicatorUsageError(
@@ -248,7 +256,6 @@ class InputPosition:
                      "inside such a loop)")
         if epochs is not None and start.epoch >= epochs:
             self.say(f"replicator: run(epochs={epochs}) has nothing to do: the training is in epoch {start.epoch}")
-        expected = pending.get("global_batch") if pending else None
         self.inputs = inputs
         self.stream = EpochStream(source, device, start, self.context.num_replicas, self.say, expected)
         self.stream.bound(epochs, cycle=steps is not None)

@@ -21,7 +21,7 @@ from replicator.health import OutputCheck
 from replicator.sync.state import GradientState
 from replicator.timeline import recorder as timeline
 
-__all__ = ["StepLoop", "Observer", "RunOutcome", "Checkpointer", "check_run_arguments"]
+__all__ = ["StepLoop", "Observer", "RunOutcome", "check_run_arguments"]
 
 
 class Observer(Protocol):
@@ -46,27 +46,6 @@ class RunOutcome:
 
     steps: int = 0
     ended_early: list[int] = field(default_factory=list)
-
-
-class Checkpointer:
-    """Saves the training after every `every`-th step through `save(step)`, a checkpoint cadence observer."""
-
-    def __init__(self, every: int, save: Callable[[int], object]) -> None:
-        self.every = every
-        self.save = save
-
-    def on_input_wait(self, seconds: float) -> None:
-        pass
-
-    def on_agreement_wait(self, seconds: float) -> None:
-        pass
-
-    def on_step_end(self, step: int, samples: int, output: Any, seconds: float) -> None:
-        if (step + 1) % self.every == 0:
-            self.save(step + 1)
-
-    def on_run_end(self) -> None:
-        pass
 
 
 class CollectiveInputs:

@@ -6,6 +6,7 @@ Only the main process (rank 0, which runs steps in every mode) writes; see docs/
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -176,13 +177,36 @@ def _number(value: Any) -> float | int | None:
     return value if math.isfinite(value) else None
 
 
-def _tensorboard(directory: Path) -> Any:
-    """A SummaryWriter into `directory`, or None when tensorboard is not installed."""
+def _summary_writer() -> Any:
+    """TensorBoard's SummaryWriter class, or None when tensorboard is not installed."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # torch raises it when the tensorboard package is missing
         return None
-    return SummaryWriter(log_dir=str(directory), flush_secs=BOARD_FLUSH_S)
+    return SummaryWriter
+
+
+def _final_step_in(path: Path) -> int | None:
+    """The step of the last complete line of a metrics.jsonl (read from its end), or None."""
+    with open(path, "rb") as file:
+        file.seek(0, os.SEEK_END)
+        file.seek(max(0, file.tell() - 4096))
+        for line in reversed(file.read().splitlines()):
+            with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn line, the crash's
+                return int(json.loads(line)["step"])
+    return None
+
+
+def _drop_steps_from(path: Path, first: int) -> None:
+    """Rewrite a metrics.jsonl without its lines of step `first` and after (and without a torn last line)."""
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            if int(json.loads(line)["step"]) < first:
+                kept.append(line + "\n")
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text("".join(kept), encoding="utf-8")
+    os.replace(partial, path)  # a reader never sees half a file
 
 
 def breakdown(per_replica: list[list[float]]) -> list[dict[str, Any]]:
@@ -211,6 +235,7 @@ class RunRecord:
         self.tensorboard = False
         self._metrics: IO[str] | None = None
         self._board: Any = None
+        self._board_type: Any = None  # SummaryWriter, made by the writer thread at the first step
         # Lines are formatted and written by a thread of their own: reading a loss from a GPU there never makes
         # the training thread wait for the device, and TensorBoard's event encoding stays off the step.
         self._queue: queue.SimpleQueue[_Step | None] = queue.SimpleQueue()
@@ -220,11 +245,12 @@ class RunRecord:
         self._steps = self._samples = 0
         self._first_step: int | None = None
         self._last_step: int | None = None
+        self._first_written: int | None = None  # the step of the run's first line in metrics.jsonl
         if directory is not None:
             self._write_json(CONFIG, self.config)
             self._metrics = open(directory / METRICS, "a", encoding="utf-8")  # appends when a run resumes here
-            self._board = _tensorboard(directory)
-            self.tensorboard = self._board is not None
+            self._board_type = _summary_writer()
+            self.tensorboard = self._board_type is not None
             self._writer = threading.Thread(target=self._write_lines, name="replicator-run-record", daemon=True)
             self._writer.start()
 
@@ -309,6 +335,8 @@ class RunRecord:
         self._close()
 
     def _write_step(self, entry: _Step) -> None:
+        if self._first_written is None:
+            self._begin_writing(entry.step)
         assert self._metrics is not None
         values = {name: _number(value) for name, value in entry.scalars}
         rate = entry.samples / entry.interval if entry.interval > 0 else None
@@ -329,6 +357,27 @@ class RunRecord:
                     self._board.add_scalar(name, value, entry.step, walltime=entry.wall_time)
             if rate is not None:
                 self._board.add_scalar("replicator/samples_per_second", rate, entry.step, walltime=entry.wall_time)
+
+    def _begin_writing(self, first: int) -> None:
+        """Before the run's first line: drop the lines of steps from `first` on, which a run that appends to an
+        earlier record (a restart from an earlier checkpoint) trains again; TensorBoard hides its events too."""
+        assert self.directory is not None and self._metrics is not None
+        self._first_written = first
+        path = self.directory / METRICS
+        purge = None
+        try:
+            if (last := _final_step_in(path)) is not None and last >= first:
+                self._metrics.close()
+                _drop_steps_from(path, first)
+                self._metrics = open(path, "a", encoding="utf-8")
+                purge = first
+        except OSError as error:  # the lines stay; the run goes on recording
+            print(f"replicator: cannot drop the steps from {first} on from {path} ({type(error).__name__}: {error})",
+                  file=sys.stderr, flush=True)
+            if self._metrics.closed:
+                self._metrics = open(path, "a", encoding="utf-8")
+        if self._board_type is not None:
+            self._board = self._board_type(log_dir=str(self.directory), flush_secs=BOARD_FLUSH_S, purge_step=purge)
 
     def _close(self) -> None:
         if self._metrics is not None:

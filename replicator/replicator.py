@@ -14,13 +14,14 @@ import torch
 from replicator import _env
 from replicator.asynchronous import AsyncSettings, OuterOptimizer, diloco_for
 from replicator.asynchronous.actor_learner import Roles, job_shape, regime_for, serves_this_run
+from replicator.cadence import Cadence, Hooks
 from replicator.context import InputContext, ReplicaContext
 from replicator.epochs import InputPosition
 from replicator.errors import ReplicatorUsageError
 from replicator.health import check_nonfinite_policy
 from replicator.inputs import ReplicatedInput
 from replicator.job import Job, announced
-from replicator.loop import Checkpointer, Observer, StepLoop, check_run_arguments
+from replicator.loop import Observer, StepLoop, check_run_arguments
 from replicator.pipeline.randomness import seed_stage
 from replicator.pipeline.recompute import resolve_recompute
 from replicator.record import RunRecord
@@ -259,7 +260,7 @@ class Replicator:
     def run(self, step_fn: Callable[[ReplicaContext, Any], Any], inputs: Iterable[Any], steps: int | None = None, *,
             epochs: int | None = None, progress: bool | None = None, warmup_steps: int = 5, update_period: int = 100,
             checkpoint_every: int | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
-            keep: int = 3, actor_fn: Callable[..., Any] | None = None,
+            keep: int = 3, every: Hooks | None = None, actor_fn: Callable[..., Any] | None = None,
             record: bool | str | os.PathLike[str] = True, name: str | None = None,
             timeline: bool | str | os.PathLike[str] | None = None) -> Iterator[tuple[int, Any]]:
         """Run `step_fn(ctx, batch)` on every replica; yield `(step, output)` for each step.
@@ -272,11 +273,13 @@ class Replicator:
 
         With `checkpoint_dir`, a fresh Replicator first resumes from the newest complete checkpoint there
         (parameters, optimizers, schedulers, step, epoch and place in it, random generators) without reading the
-        batches before that place; with `checkpoint_every=N` it saves after every N-th step, keeping `keep`.
+        batches before that place; with `checkpoint_every=N` it saves after every N-th step and when the run
+        completes, keeping `keep`. `every={N: hook}` calls `hook(global_step)` on every replica after every N-th step.
         The main process records the run (`repl.record`) in runs/<time>-<name>, `record` (a path) or not (False).
         `timeline=True` (or a file path, or REPLICATOR_TIMELINE=1) writes every process's spans as one Chrome trace.
         """
         check_run_arguments(steps, checkpoint_every, checkpoint_dir, self.optimizers.state.accumulation, epochs)
+        cadence = Cadence(every, checkpoint_every, checkpoint_dir, functools.partial(self._save_step, keep=keep))
         self.record = RunRecord.open(record, name, self.job, self.arguments, self.reducer, self._trained_modules())
         serving = serves_this_run(self.regime, actor_fn, update_period, steps)  # a server, an actor, the evaluator
         from replicator.checkpoint import latest
@@ -293,14 +296,14 @@ class Replicator:
         self.optimizers.set_on_wait(times.add_communication)
         self.regime.begin(times.add_communication)  # async: the servers' parameters, and updates through them
         self.guard.require_identical("at the start of run()")  # parameters, buffers and optimizer state
-        observers: list[Observer] = [times, Progress(steps, enabled=show), self.guard.watch_gradients(), self.record]
+        observers: list[Observer] = [times, Progress(steps, enabled=show), self.guard.watch_gradients(), self.record,
+                                     *cadence.observers]  # every= hooks, then checkpoints
         if self.diloco is not None:  # first: its outer step is part of the step that the others see end
             observers.insert(0, self.diloco.begin(self.optimizers, times.add_after_step, checkpoint_every))
-        if checkpoint_every and checkpoint_dir is not None:
-            observers.append(Checkpointer(checkpoint_every, functools.partial(self._save_step, checkpoint_dir, keep)))
         loop = StepLoop(self.job.agreement, self.context, self.optimizers.state, self.nonfinite, self.precision)
         outcome = yield from loop.run(step_fn, self._input.begin(inputs, epochs, steps), steps, observers)
         figures = self.diloco.finish(self.reducer, self.optimizers, show) if self.diloco is not None else {}
+        cadence.finish(outcome.steps, self.regime.saves_at_the_end, self.optimizers.mid_accumulation(), self.print)
         self.sync_buffers()
         self.guard.require_identical("at the end of run()")
         figures |= self.regime.finish(times, show) | self.precision.figures()  # async: every group done; skipped steps
@@ -327,7 +330,7 @@ class Replicator:
             self.guard.require_identical(f"before saving a checkpoint at step {self.global_step}")
         return self.regime.save(path, objects, self.global_step, self._input.state_dict(), extra, keep)
 
-    def _save_step(self, directory: str | os.PathLike[str], keep: int, step: int) -> Path:
+    def _save_step(self, directory: str | os.PathLike[str], step: int, keep: int) -> Path:
         from replicator.checkpoint import step_path
         return self.save(step_path(directory, step), keep=keep)
 

@@ -35,6 +35,7 @@ class Regime:
     serves = False  # does this process serve instead of stepping?
     prints_report = False  # does finish() print the run's report (its step-time table included)?
     restores = True  # does run(checkpoint_dir=) resume this process from a checkpoint?
+    saves_at_the_end = True  # does a run with checkpoint_every= end with a checkpoint of its last step?
 
     def input_fn(self, input_fn: Callable[[InputContext], Iterable[Any]]) -> Callable[[InputContext], Iterable[Any]]:
         return input_fn
@@ -70,6 +71,8 @@ class AsyncRegime(Regime):
     `optimizer.step()` sends the group's averaged gradient to the servers and takes the
     parameters they answer with, instead of updating locally.
     """
+
+    saves_at_the_end = False  # groups end at steps of their own: a cut is only saved at checkpoint_every
 
     @classmethod
     def of(cls, settings: AsyncSettings | None, job: Job, optimizers: SyncedOptimizers, position: InputPosition,

@@ -15,9 +15,10 @@ GLOBAL_BATCH, SAMPLES, STEPS = 16, 256, 10  # 16 batches in the epoch that run()
 
 
 def train(
-    directory: str, steps: int, shuffle_with_sampler: bool
+    directory: str, steps: int, shuffle_with_sampler: bool, dies_after: int | None = None
 ) -> tuple[list[int], list[float], dict[str, torch.Tensor]]:
-    """Run (resuming from `directory` if it holds a checkpoint) until `steps`; return steps, losses, parameters."""
+    """Run (resuming from `directory` if it holds a checkpoint) until `steps`, or leave the loop after `dies_after`
+    steps as a crash would (a run that completes saves where it ended); return steps, losses, parameters."""
     repl = rp.Replicator()
     torch.manual_seed(int.from_bytes(os.urandom(2), "little"))  # a fresh process could start anywhere...
     with repl.scope():
@@ -52,6 +53,8 @@ def train(
     for step, loss in run:
         done.append(step)
         losses.append(float(loss))
+        if step + 1 == dies_after:
+            break
     return done, losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -61,7 +64,7 @@ def check_resume(tmp_path: Path, replicas: int) -> None:
 
     steps, losses, params = call(str(tmp_path / "whole"), STEPS, replicas > 1)
     assert steps == list(range(STEPS))
-    first, _, _ = call(str(tmp_path / "cut"), 6, replicas > 1)  # "dies" after step 6; the last checkpoint is step 4
+    first, _, _ = call(str(tmp_path / "cut"), STEPS, replicas > 1, 6)  # "dies" after 6 steps; the last checkpoint: 4
     assert first == list(range(6))
     assert sorted(p.name for p in (tmp_path / "cut").iterdir()) == ["step_000000004"]
     resumed_steps, resumed_losses, resumed = call(str(tmp_path / "cut"), STEPS, replicas > 1)

@@ -141,13 +141,13 @@ def checkpointed(directory: str, steps: int, precision: rp.Precision) -> dict[st
 def test_a_checkpoint_keeps_the_loss_scale() -> None:
     want = reference("fp16")
     with tempfile.TemporaryDirectory() as directory:
-        first = run_replicas(checkpointed, 2, directory, 6, SCALE, timeout_s=180)  # "dies" after step 6
+        first = run_replicas(checkpointed, 2, directory, 6, SCALE, timeout_s=180)  # ends at step 6: saves it
         assert first[0]["scales"] == want["scales"][:6]
-        # A fresh job with another initial scale resumes at step 5 with the scale saved there.
+        # A fresh job with another initial scale resumes at step 6 with the scale saved there.
         results = run_replicas(checkpointed, 2, directory, STEPS, rp.Precision("fp16"), timeout_s=180)
     for replica, got in enumerate(results):
         assert_same_training("fp16 resumed", got, want, ATOL["fp16"], replica)
-        assert got["scales"] == want["scales"][5:], f"replica {replica}'s loss scale went {got['scales']}"
+        assert got["scales"] == want["scales"][6:], f"replica {replica}'s loss scale went {got['scales']}"
 
 
 def test_precision_is_checked_and_its_state_is_gradscalers() -> None:
