@@ -220,14 +220,16 @@ class Replicator:
         return stage
 
     # -- gradients -----------------------------------------------------------------------
-    def accumulate(self, micro_steps: int) -> None:
+    def accumulate(self, micro_steps: int, *, epoch_end: str = "carry") -> None:
         """Accumulate gradients over `micro_steps` calls of step_fn before each update.
 
         step_fn stays as for one batch (zero_grad, backward, step): zero_grad and step take effect every
         `micro_steps` calls, only the last backward communicates, and the update uses the mean over all
-        micro-batches of all replicas.
+        micro-batches of all replicas. An update part way when an epoch ends: `epoch_end="carry"` (the default:
+        every update averages `micro_steps`) goes on with it in the next epoch; "flush" (Accelerate's) updates on
+        the micro-batches so far at each epoch's end, so that repl.save() works after run(epochs=...).
         """
-        self.optimizers.accumulate(micro_steps)
+        self.optimizers.accumulate(micro_steps, epoch_end)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside this block accumulate gradients locally, with no traffic."""
@@ -297,7 +299,8 @@ class Replicator:
         if self.diloco is not None:  # first: its outer step is part of the step that the others see end
             observers.insert(0, self.diloco.begin(self.optimizers, times.add_after_step, checkpoint_every))
         if checkpoint_every and checkpoint_dir is not None:
-            observers.append(Checkpointer(checkpoint_every, functools.partial(self._save_step, checkpoint_dir, keep)))
+            observers.append(Checkpointer(checkpoint_every, functools.partial(self._save_step, checkpoint_dir, keep),
+                                          self.optimizers.mid_accumulation))
         loop = StepLoop(self.job.agreement, self.context, self.optimizers.state, self.nonfinite, self.precision)
         outcome = yield from loop.run(step_fn, self._input.begin(inputs, epochs, steps), steps, observers)
         figures = self.diloco.finish(self.reducer, self.optimizers, show) if self.diloco is not None else {}
@@ -320,8 +323,7 @@ class Replicator:
         to the newest `keep` checkpoints. See replicator.checkpoint.
         """
         objects = self._checkpoint_objects()  # first: DiLoCo refuses to save in the middle of a round
-        if self.optimizers.mid_accumulation():
-            raise ReplicatorUsageError("repl.save() was called in the middle of an accumulation; save between updates")
+        self.optimizers.refuse_mid_accumulation("repl.save()")
         self.sync_buffers()
         if not self.regime.serves:  # parameter servers each hold their own shard's current values
             self.guard.require_identical(f"before saving a checkpoint at step {self.global_step}")
