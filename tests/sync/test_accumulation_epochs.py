@@ -129,6 +129,36 @@ def test_checkpoints_with_flush_fall_between_updates(tmp_path: Path) -> None:
     assert run_replicas(checkpointed, 2, str(tmp_path))[0] == [2, 4, 7, 9, 10]
 
 
+def resumable(directory: str, steps: int | None) -> list[torch.Tensor]:
+    """run(epochs=2) with flush and checkpoints, stopped after `steps` steps (None: not stopped)."""
+    repl = rp.Replicator()
+    with repl.scope():
+        model, _ = model_and_optimizer()
+        optimizer = repl.wrap_optimizer(torch.optim.Adam(model.parameters(), lr=0.01))  # its state is saved too
+    repl.accumulate(MICRO_STEPS, epoch_end="flush")
+    x, y = data()
+    batches = [(x[i * 4:(i + 1) * 4], y[i * 4:(i + 1) * 4]) for i in range(STEPS_PER_EPOCH)]
+
+    def step_fn(ctx: rp.ReplicaContext, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        optimizer.zero_grad()
+        F.cross_entropy(model(batch[0]), batch[1]).backward()
+        optimizer.step()
+
+    for _ in repl.run(step_fn, batches, steps, epochs=EPOCHS, checkpoint_every=2, checkpoint_dir=directory,
+                      progress=False, record=False):
+        pass
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_run_resumed_from_a_flush_checkpoint_is_bit_exact(tmp_path: Path) -> None:
+    uninterrupted = run_replicas(resumable, 2, str(tmp_path / "whole"), None)[0]
+    # Stopped at step 8, in the middle of the update of steps 7 and 8: the newest checkpoint is step 7's.
+    run_replicas(resumable, 2, str(tmp_path / "cut"), 8)
+    assert sorted(path.name for path in (tmp_path / "cut").iterdir())[-1] == "step_000000007"
+    resumed = run_replicas(resumable, 2, str(tmp_path / "cut"), None)[0]
+    assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted, strict=True))
+
+
 def uneven_epochs() -> None:
     repl = rp.Replicator()
     with repl.scope():
