@@ -41,12 +41,18 @@ class Every:
 
 
 class Checkpointer:
-    """Saves the training after every `every`-th step through `save(step)`; `finish` saves where the run ended."""
+    """Saves the training after every `every`-th step through `save(step)`; `finish` saves where the run ended.
 
-    def __init__(self, every: int, save: Callable[[int], object]) -> None:
-        self.every, self.save = every, save
+    A save due while `mid_accumulation()` waits for the update's end: with epoch_end="flush" an epoch's
+    end shortens an update, and the updates after it no longer end at multiples of the accumulation.
+    """
+
+    def __init__(self, every: int, save: Callable[[int], object],
+                 mid_accumulation: Callable[[], bool] = lambda: False) -> None:
+        self.every, self.save, self.mid_accumulation = every, save, mid_accumulation
         self.trained = False  # did this run train a step?
         self.saved: int | None = None  # the step of the latest checkpoint it wrote
+        self._due = False
 
     def on_input_wait(self, seconds: float) -> None:
         pass
@@ -56,7 +62,9 @@ class Checkpointer:
 
     def on_step_end(self, step: int, samples: int, output: Any, seconds: float) -> None:
         self.trained = True
-        if (step + 1) % self.every == 0:
+        self._due = self._due or (step + 1) % self.every == 0
+        if self._due and not self.mid_accumulation():
+            self._due = False
             self.save(step + 1)
             self.saved = step + 1
 
@@ -82,13 +90,14 @@ class Cadence:
     """
 
     def __init__(self, every: Hooks | None, checkpoint_every: int | None,
-                 checkpoint_dir: str | os.PathLike[str] | None, save: Callable[[str | os.PathLike[str], int], object]
-                 ) -> None:
+                 checkpoint_dir: str | os.PathLike[str] | None, save: Callable[..., object], keep: int,
+                 mid_accumulation: Callable[[], bool] = lambda: False) -> None:
         check_every(every)
         self.hooks: list[Observer] = [Every(int(period), hook) for period, hook in (every or {}).items()]
         self.checkpointer: Checkpointer | None = None
-        if checkpoint_every and checkpoint_dir is not None:  # save(directory, step)
-            self.checkpointer = Checkpointer(checkpoint_every, functools.partial(save, checkpoint_dir))
+        if checkpoint_every and checkpoint_dir is not None:  # save(directory, step, keep=keep)
+            self.checkpointer = Checkpointer(checkpoint_every, functools.partial(save, checkpoint_dir, keep=keep),
+                                             mid_accumulation)
 
     @property
     def observers(self) -> list[Observer]:

@@ -85,6 +85,7 @@ class EpochStream(Iterator[Any]):
         self.expected_batch = expected_global_batch
         self._fetched: deque[tuple[Place, Any]] = deque()  # read, not yet trained on
         self._replay: deque[tuple[Place, Any]] = deque()  # read by an earlier run that stopped before them
+        self._consumed: Place | None = None  # the place of the batch trained on last
         self._batches = self._read(start)
 
     # -- what the step loop sees ------------------------------------------------------------
@@ -108,7 +109,16 @@ class EpochStream(Iterator[Any]):
             self.say(f"replicator: warning: the checkpoint's run trained on a global batch of {self.expected_batch}; "
                      f"this run's is {size}, so it does not continue that training exactly")
         self.expected_batch, self.global_batch = None, size
+        self._consumed = place
         return place.epoch
+
+    def closes_epoch(self) -> bool:
+        """Is the batch consumed last its epoch's final one? Asked once the batch after it was read (or not found)."""
+        if self._consumed is None:
+            return False
+        if self._fetched:
+            return self._fetched[0][0].epoch != self._consumed.epoch
+        return self.exhausted
 
     def rewind(self) -> None:
         """A new run continues this stream: batches fetched but never trained on come first."""

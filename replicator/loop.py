@@ -151,12 +151,19 @@ class StepLoop:
                 # Announce the next step before running this one: the agreement then travels
                 # while this step computes, instead of adding a round trip between steps.
                 last = steps is not None and step + 1 >= steps
-                upcoming, has_upcoming = (None, False) if last else self._next_batch(iterator, observers)
+                # epoch_end="flush" reads past the last step too: is this step's batch its epoch's last?
+                flushing = self.state.epoch_end == "flush"
+                upcoming, has_upcoming = (None, False) if last and not flushing else self._next_batch(iterator,
+                                                                                                      observers)
+                closes = flushing and iterator.closes_epoch()
                 # The announcement judges an earlier step's output: the last one, or the one before
                 # while the last is still on its way from a GPU (the host then never waits for it).
                 judged = checks.popleft() if len(checks) > 1 or (checks and not checks[0].waits_for_a_device) else None
-                pending = self._announce(step + 1, upcoming, has_upcoming, steps, judged)
+                pending = self._announce(step + 1, upcoming, has_upcoming, steps, judged, closes)
                 computing = time.perf_counter()
+                # A replica whose epoch ends here updates only if every replica's does (it waits for the next step's
+                # announcement, which says so, once an epoch); else none does, and the next step names them.
+                self.state.closing = closes and (pending is None or pending.wait().minima[3] == 1)
                 self.state.begin_step(size, total)
                 # Inside a step whose replicas hold unequal counts, ctx.all_mean weighs each by its count.
                 self.context.sample_share = size / total if uneven and self.state.count_samples else None
@@ -165,6 +172,7 @@ class StepLoop:
                         output = step_fn(self.context, batch)
                 finally:
                     self.state.end_step()
+                    self.state.closing = False
                     self.context.sample_share = None
                 check_output(output)
                 if recording is not None:
@@ -184,6 +192,8 @@ class StepLoop:
                       flush=True)
             if pending is not None:  # the last step's outputs are still to be judged
                 self._judge(pending.wait(), judged)
+                if steps is not None and step >= steps:  # stopped by steps=, not by an input that ran out
+                    self._check_epoch_ends(step - 1, pending)
             while checks:  # outputs not judged yet: one more agreement each
                 judged = checks.popleft()
                 final = self._announce(step, None, False, step, judged)
@@ -210,12 +220,13 @@ class StepLoop:
         return batch, has_batch
 
     def _announce(self, step: int, batch: Any, has_batch: bool, steps: int | None,
-                  judged: OutputCheck | None) -> PendingAgreement | None:
+                  judged: OutputCheck | None, closes: bool = False) -> PendingAgreement | None:
         """Start agreeing on the next step (has a batch? of what size?) while the caller works.
 
         The announcement also carries whether the `judged` step's output (an earlier one)
-        was finite, so that every replica learns of a NaN anywhere at no extra cost. Past the
-        last step it is still made when there is an output to judge.
+        was finite, so that every replica learns of a NaN anywhere at no extra cost, and whether
+        the step before `step` closes an epoch (`closes`). Past the last step it is still made
+        when there is an output to judge, or with epoch_end="flush" (the last step may close one).
         """
         nonfinite = judged.locations() if judged is not None else []
         size = self._count(batch) if has_batch else 0
@@ -223,11 +234,11 @@ class StepLoop:
             if judged is not None and nonfinite:
                 raise NonFiniteError(self._nonfinite_message(judged.step, {0: nonfinite}))
             return None
-        if steps is not None and step >= steps and judged is None:
+        if steps is not None and step >= steps and judged is None and self.state.epoch_end != "flush":
             return None
         # Named by the step this replica is at (announcements travel one step ahead), from the user's loop.
         return self.agreement.start(f"run() at step {self.state.step}, announcing step {step}", call_site(),
-                                    [int(has_batch), size, int(bool(nonfinite))])
+                                    [int(has_batch), size, int(bool(nonfinite)), int(closes)])
 
     def _must_stop(self, step: int, pending: PendingAgreement, has_batch: bool, ended_early: list[int],
                    judged: OutputCheck | None) -> bool:
@@ -235,7 +246,7 @@ class StepLoop:
         with timeline.span("agreement wait", "agreement", step=step):
             verdict = pending.wait()
         self._judge(verdict, judged)
-        (has_max, size_max, _), (has_min, size_min, _) = verdict.maxima, verdict.minima
+        (has_max, size_max, *_), (has_min, size_min, *_) = verdict.maxima, verdict.minima
         if has_min == 0:
             if has_max == 1:  # some replicas still had data: say who ran out
                 intents = self.agreement.exchange("input ended", "", [float(has_batch)])
@@ -247,6 +258,7 @@ class StepLoop:
                         flush=True,
                     )
             return True
+        self._check_epoch_ends(step - 1, pending)
         weighted = self.state.count_samples is not None
         if (size_max != size_min and not weighted) or (weighted and size_min == 0):
             intents = self.agreement.exchange("batch sizes", "", [float(pending.values[1])])
@@ -264,6 +276,20 @@ class StepLoop:
                 "pass rp.Replicator(uneven_batches=\"weighted\") to weigh each replica by its batch size."
             )
         return False
+
+    def _check_epoch_ends(self, step: int, pending: PendingAgreement) -> None:
+        """Raise on every replica if `step` closed an epoch on some replicas only (epoch_end="flush" needs all)."""
+        verdict = pending.wait()
+        if verdict.maxima[3] == verdict.minima[3]:
+            return
+        intents = self.agreement.exchange("epoch ends", "", [float(pending.values[3])])
+        ending = [i.replica for i in intents if i.values[0]]
+        raise ReplicaMismatchError(
+            f"step {step} ended an epoch on replica(s) {ending} but not on the others (raised on replica "
+            f"{self.context.replica_id}). repl.accumulate(..., epoch_end=\"flush\") updates on every replica "
+            "when an epoch ends, so every replica needs as many batches per epoch: shard the data evenly "
+            "(ctx.sampler(dataset), or a DataLoader handed to run(), which splits it so), or use epoch_end=\"carry\""
+        )
 
     def _count(self, batch: Any) -> int:
         """The batch's samples (`GradientState.count_samples`, else its leading size), counted once per batch."""

@@ -132,6 +132,9 @@ def job_config(arguments: dict[str, Any], job: Job, reducer: object, modules: li
         },
         "reducer": getattr(reducer, "name", type(reducer).__name__),
         "bucket_cap_mb": arguments.get("bucket_cap_mb"),
+        # Threads per process (the main process's; the launcher gives every replica the same): a 1-replica
+        # baseline with more threads than each replica had is not a fair one (`replicator report` says so).
+        "threads": {"per_process": torch.get_num_threads(), "launcher": _env.threads(), "cpus": os.cpu_count()},
         "model": {
             # Of the modules this process trains: with pipeline stages, stage 0's share of the model.
             "of": "the whole model" if mesh.stages == 1 else "stage 0 (this process's stage)",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -221,14 +220,16 @@ class Replicator:
         return stage
 
     # -- gradients -----------------------------------------------------------------------
-    def accumulate(self, micro_steps: int) -> None:
+    def accumulate(self, micro_steps: int, *, epoch_end: str = "carry") -> None:
         """Accumulate gradients over `micro_steps` calls of step_fn before each update.
 
         step_fn stays as for one batch (zero_grad, backward, step): zero_grad and step take effect every
         `micro_steps` calls, only the last backward communicates, and the update uses the mean over all
-        micro-batches of all replicas.
+        micro-batches of all replicas. An update part way when an epoch ends: `epoch_end="carry"` (the default:
+        every update averages `micro_steps`) goes on with it in the next epoch; "flush" (Accelerate's) updates on
+        the micro-batches so far at each epoch's end, so that repl.save() works after run(epochs=...).
         """
-        self.optimizers.accumulate(micro_steps)
+        self.optimizers.accumulate(micro_steps, epoch_end)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside this block accumulate gradients locally, with no traffic."""
@@ -279,7 +280,8 @@ class Replicator:
         `timeline=True` (or a file path, or REPLICATOR_TIMELINE=1) writes every process's spans as one Chrome trace.
         """
         check_run_arguments(steps, checkpoint_every, checkpoint_dir, self.optimizers.state.accumulation, epochs)
-        cadence = Cadence(every, checkpoint_every, checkpoint_dir, functools.partial(self._save_step, keep=keep))
+        cadence = Cadence(every, checkpoint_every, checkpoint_dir, self._save_step, keep,
+                          self.optimizers.mid_accumulation)
         self.record = RunRecord.open(record, name, self.job, self.arguments, self.reducer, self._trained_modules())
         serving = serves_this_run(self.regime, actor_fn, update_period, steps)  # a server, an actor, the evaluator
         from replicator.checkpoint import latest
@@ -323,8 +325,7 @@ class Replicator:
         to the newest `keep` checkpoints. See replicator.checkpoint.
         """
         objects = self._checkpoint_objects()  # first: DiLoCo refuses to save in the middle of a round
-        if self.optimizers.mid_accumulation():
-            raise ReplicatorUsageError("repl.save() was called in the middle of an accumulation; save between updates")
+        self.optimizers.refuse_mid_accumulation("repl.save()")
         self.sync_buffers()
         if not self.regime.serves:  # parameter servers each hold their own shard's current values
             self.guard.require_identical(f"before saving a checkpoint at step {self.global_step}")

@@ -18,8 +18,9 @@ from replicator.testing import run_replicas
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def train(record: str, steps: int) -> str | None:
-    """A tiny quickstart-shaped run at a fixed per-replica batch, recorded into `record`."""
+def train(record: str, steps: int, threads: int = 1) -> str | None:
+    """A tiny quickstart-shaped run at a fixed per-replica batch, recorded into `record`, on `threads` threads."""
+    torch.set_num_threads(threads)  # as `replicator launch --threads` does in each replica (run_replicas: 1)
     repl = rp.Replicator()
     with repl.scope():
         torch.manual_seed(0)
@@ -67,6 +68,8 @@ def test_report_summarizes_runs_and_scaling_against_the_planner(two_runs: tuple[
     assert "where time went, per step:" in printed and "exposed communication" in printed
     assert "slowest replica: " in printed
     assert "planner, full overlap" in printed and "planner, no overlap" in printed
+    # 1 thread per process on both sides: no threads warning (one above 100 % would depend on timing: not asked)
+    assert "torch thread(s) per process" not in printed
     names = {"one-loss.png", "one-throughput.png", "one-breakdown.png", "two-loss.png", "two-throughput.png",
              "two-breakdown.png", "scaling.png"}
     assert names <= {path.name for path in out.iterdir()}
@@ -106,3 +109,39 @@ def test_report_refuses_what_is_not_a_finished_run_with_exit_code_2(two_runs: tu
         (running / name).write_text((one / name).read_text())
     assert main(["report", str(one), str(running)]) == 2
     assert f"{running}: the run is still in progress, or its process was killed" in capsys.readouterr().err
+
+
+def test_report_flags_a_baseline_with_other_threads_and_says_how_to_make_a_fair_one(
+        two_runs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    one, two = two_runs
+    assert json.loads((one / "config.json").read_text())["threads"]["per_process"] == 1
+    assert json.loads((one / "config.json").read_text())["threads"]["launcher"] == 1  # run_replicas sets it
+    # A 1-replica baseline on 2 threads against the 2-replica run on 1 thread each: issue 28's 227.6 %.
+    wide = Path(run_replicas(train, 1, str(tmp_path / "wide"), 30, 2, timeout_s=90,
+                             env={"REPLICATOR_THREADS": "2"})[0])
+    config = json.loads((wide / "config.json").read_text())
+    assert config["threads"]["per_process"] == 2 and config["threads"]["launcher"] == 2
+    assert main(["report", str(wide), str(two), "--no-prediction"]) == 0
+    printed = capsys.readouterr().out
+    assert ("warning: the 1-replica baseline ran 2 torch thread(s) per process, this run 1: each side did other "
+            "work per replica, so the efficiency misleads; for a fair baseline, run the 1-replica job with this "
+            "run's threads per replica: `replicator launch -n 1 --threads 1 ") in printed, printed
+    assert "(doubtful: see the warning above)" in printed
+
+
+def test_report_flags_an_efficiency_above_100_percent(two_runs: tuple[Path, Path], tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    one, two = two_runs
+    fast = tmp_path / "fast"
+    fast.mkdir()
+    for name in ("config.json", "metrics.jsonl"):
+        (fast / name).write_text((two / name).read_text())
+    summary = json.loads((two / "summary.json").read_text())
+    baseline = json.loads((one / "summary.json").read_text())["samples_per_second"]
+    summary["samples_per_second"] = 3 * baseline  # 150 % on 2 replicas, threads alike
+    (fast / "summary.json").write_text(json.dumps(summary))
+    assert main(["report", str(one), str(fast), "--no-prediction"]) == 0
+    printed = capsys.readouterr().out
+    assert "scaling efficiency: 150.0%" in printed
+    assert "warning: an efficiency above 100 % means the baseline was slower per replica" in printed
+    assert "`replicator launch -n 1 --threads 1 " in printed

@@ -43,6 +43,18 @@ class Run:
         return str(self.topology.get("mode", "sync"))
 
     @property
+    def threads(self) -> int | None:
+        """Torch threads per process (config.json's `threads`); None in records from before they were kept."""
+        value = self.config.get("threads", {}).get("per_process")
+        return None if value is None else int(value)
+
+    @property
+    def script(self) -> str:
+        """The script and its arguments as the run's command gave them (for a command to print)."""
+        command = [str(part) for part in self.config.get("command", [])[1:]]
+        return " ".join(command) if command else "train.py"
+
+    @property
     def status(self) -> str:
         return str(self.summary.get("status", "finished"))
 

@@ -11,7 +11,8 @@ from typing import Any
 
 from replicator.report.runs import Run
 
-__all__ = ["Link", "ScalingSeries", "scaling_series", "configuration_key", "predicted_efficiency", "cached_link"]
+__all__ = ["Link", "ScalingSeries", "scaling_series", "configuration_key", "predicted_efficiency", "cached_link",
+           "fairness_warnings"]
 
 # The stored calibration of this machine's link, beside the scaling plot: calibrating takes seconds.
 CALIBRATION_FILE = "calibration.json"
@@ -39,6 +40,30 @@ class ScalingSeries:
         """Throughput at `replicas` over `replicas` times the baseline's."""
         rate, base = self.runs[replicas].throughput, self.baseline.throughput
         return None if rate is None or not base else rate / (replicas * base)
+
+
+def fairness_warnings(series: ScalingSeries, replicas: int) -> list[str]:
+    """What makes `replicas`' efficiency against the baseline doubtful: above 100 %, or unlike threads per process.
+
+    Each replica of a launched job gets cores / replicas threads; a baseline run under plain `python` (torch's
+    default: every core) or launched alone gets them all, and one with more threads than the compared run's
+    replicas, or fewer (then efficiency can pass 100 %), does other work per replica than they do.
+    """
+    run, base = series.runs[replicas], series.baseline
+    efficiency = series.efficiency(replicas)
+    fair = (f"for a fair baseline, run the 1-replica job with this run's threads per replica: "
+            f"`replicator launch -n 1 --threads {run.threads or 'T'} {base.script}`")
+    warnings = []
+    if run.threads is not None and base.threads is not None and run.threads != base.threads:
+        warnings.append(f"the 1-replica baseline ran {base.threads} torch thread(s) per process, this run "
+                        f"{run.threads}: each side did other work per replica, so the efficiency misleads; {fair}")
+    elif efficiency is not None and efficiency > 1.0:
+        why = ("its threads per process are not recorded (a record from an older replicator)"
+               if run.threads is None or base.threads is None else
+               "the baseline was slower per replica than this run's replicas (another load on the machine while "
+               "it ran, or a different input pipeline)")
+        warnings.append(f"an efficiency above 100 % means {why}; {fair}")
+    return warnings
 
 
 def configuration_key(run: Run) -> tuple[Any, ...]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from replicator.report.runs import Run
-from replicator.report.scaling import ScalingSeries
+from replicator.report.scaling import ScalingSeries, fairness_warnings
 
 __all__ = ["describe_run", "describe_scaling"]
 
@@ -93,6 +93,7 @@ def describe_run(run: Run, series: ScalingSeries | None) -> list[str]:
         if efficiency is not None:
             lines.append(f"  scaling efficiency: {100 * efficiency:.1f}% of {run.replicas} x the 1-replica run's "
                          f"{_rate(series.baseline.throughput or 0)} samples/s ({series.baseline.path})")
+            lines += [f"  warning: {warning}" for warning in fairness_warnings(series, run.replicas)]
     lines += _time_went(run.breakdown) if run.breakdown else []
     return lines + _staleness(run.summary) + _actor_learner(run.summary)
 
@@ -105,6 +106,7 @@ def describe_scaling(series: ScalingSeries) -> list[str]:
         planned = "; ".join(f"{label} {100 * values[replicas]:.1f}%" for label, values in series.predicted.items()
                             if replicas in values)
         measured = "-" if efficiency is None else f"{100 * efficiency:.1f}%"
+        measured += " (doubtful: see the warning above)" if fairness_warnings(series, replicas) else ""
         noun = "replica" if replicas == 1 else "replicas"
         lines.append(f"  {replicas:>3} {noun}: {_rate(run.throughput or 0)} samples/s, efficiency {measured}"
                      + (f" ({planned})" if planned else ""))

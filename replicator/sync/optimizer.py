@@ -128,12 +128,15 @@ class SyncedOptimizers:
                     "optimizer.step() was called inside repl.no_sync(): gradients there are not synchronized, so "
                     "replicas would diverge; step after leaving no_sync()"
                 )
-            count.calls += 1
             count.stepped = False
-            if count.calls % state.accumulation:
+            if not state.last_micro_step(count):
+                count.calls += 1
                 return None
-            with timeline.span("optimizer step", "optimizer", optimizer=synchronizer.label, step=state.step):
-                return updated(closure)
+            try:  # the micro-step is counted after the update: the averaging divides by the micro-steps it holds
+                with timeline.span("optimizer step", "optimizer", optimizer=synchronizer.label, step=state.step):
+                    return updated(closure)
+            finally:
+                count.calls = 0  # the next micro-step starts an update (one an epoch's end closed early, too)
 
         def updated(closure: Callable[[], Any] | None) -> Any:
             if closure is None:
@@ -259,15 +262,30 @@ class SyncedOptimizers:
         """Is some optimizer between the micro-steps of one update?"""
         return any(self.state.mid_accumulation(w.count) for w in self.wrapped)
 
-    def accumulate(self, micro_steps: int) -> None:
+    def refuse_mid_accumulation(self, what: str) -> None:
+        """Raise if some optimizer is part way through an update: `what` (a save) needs an update's boundary."""
+        n = self.state.accumulation
+        taken = max((w.count.calls % n for w in self.wrapped), default=0)
+        if not taken:
+            return
+        if self.state.epoch_end == "flush":
+            fix = f"Call it between updates: at an epoch's end, or a multiple of {n} steps into an epoch"
+        else:
+            fix = (f"An epoch's end does not end an update here: repl.accumulate({n}) carries a partial one into the "
+                   "next epoch, where Accelerate's accumulate() updates on it at the end of the dataloader. Call it "
+                   f"where global_step is a multiple of {n}, give each epoch a multiple of {n} batches, or pass "
+                   f"repl.accumulate({n}, epoch_end=\"flush\") to update on the partial window when an epoch ends")
+        raise ReplicatorUsageError(
+            f"{what} was called at step {self.state.step}, in the middle of an accumulation: {taken} of the {n} "
+            f"micro-steps of the next update are summed in the gradients, which a checkpoint does not hold. {fix}")
+
+    def accumulate(self, micro_steps: int, epoch_end: str = "carry") -> None:
         """Make each update take `micro_steps` step_fn calls (see Replicator.accumulate)."""
-        if micro_steps < 1:
-            raise ReplicatorUsageError(f"accumulate() needs a positive number of micro-steps, got {micro_steps}")
         if self.mid_accumulation():
             raise ReplicatorUsageError("accumulate() can only change between updates, not in the middle of one")
+        self.state.set_accumulation(micro_steps, epoch_end)
         for wrapped in self.wrapped:
             wrapped.count.calls = 0
-        self.state.accumulation = micro_steps
         if micro_steps > 1:
             self._warn_if_spectral_normed(f"accumulate({micro_steps})", f"{micro_steps} times")
 

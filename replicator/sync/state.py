@@ -12,9 +12,11 @@ import torch
 from replicator._tree import leading_size
 from replicator.errors import ReplicatorUsageError
 
-__all__ = ["GradientState", "UpdateCount", "UNEVEN_BATCHES", "sample_counter"]
+__all__ = ["GradientState", "UpdateCount", "UNEVEN_BATCHES", "EPOCH_ENDS", "sample_counter"]
 
 UNEVEN_BATCHES = ("refuse", "weighted")
+# What an epoch's end does to an accumulation that is part way through an update (repl.accumulate's epoch_end=).
+EPOCH_ENDS = ("carry", "flush")
 
 
 def sample_counter(uneven_batches: str | Callable[[Any], int]) -> Callable[[Any], int] | None:
@@ -40,12 +42,18 @@ class GradientState:
     completed steps (`repl.global_step`; during step_fn, the step being run): the step loop
     advances it, and skipped updates and error messages name it.
 
+    With `epoch_end="flush"` the step loop marks the step whose batch is its epoch's last
+    (`closing`): that micro-step ends the update, which averages the micro-steps it holds
+    (`micro_steps`), as Accelerate's accumulate() does at the end of a dataloader.
+
     The step loop also says when a run and its step_fn are under way (`in_run`, `in_step`)
     and, with `count_samples` (uneven_batches="weighted"), how many samples this replica and
     all of them hold in each step: gradients are then weighted by those counts.
     """
 
     accumulation: int = 1
+    epoch_end: str = "carry"
+    closing: bool = False  # the running step is its epoch's last and epoch_end="flush": it ends the update
     no_sync_depth: int = 0
     step: int = 0
     count_samples: Callable[[Any], int] | None = None
@@ -70,7 +78,23 @@ class GradientState:
 
     def last_micro_step(self, count: UpdateCount) -> bool:
         """Is the micro-step now running the last of an update of `count`'s optimizer?"""
-        return count.calls % self.accumulation == self.accumulation - 1
+        return self.closing or count.calls % self.accumulation == self.accumulation - 1
+
+    def micro_steps(self, count: UpdateCount) -> int:
+        """The micro-steps in `count`'s update now running: `accumulation`, or those an epoch's end closes early.
+
+        `count.calls` counts the micro-steps before the running one (step() adds it when it returns).
+        """
+        return count.calls % self.accumulation + 1 if self.closing else self.accumulation
+
+    def set_accumulation(self, micro_steps: int, epoch_end: str) -> None:
+        if micro_steps < 1:
+            raise ReplicatorUsageError(f"accumulate() needs a positive number of micro-steps, got {micro_steps}")
+        if epoch_end not in EPOCH_ENDS:
+            raise ReplicatorUsageError(
+                f"accumulate(epoch_end={epoch_end!r}) is not one of {EPOCH_ENDS}: 'carry' keeps a partial "
+                "accumulation going into the next epoch, 'flush' updates on it when the epoch ends (Accelerate's)")
+        self.accumulation, self.epoch_end = micro_steps, epoch_end
 
     def completes_update(self, count: UpdateCount) -> bool:
         """Does the backward pass now running end an update of `count`'s optimizer (and communicate)?"""

@@ -264,7 +264,7 @@ class GradientSynchronizer:
         """
         samples = self.state.samples_since(self._update_start)
         if not samples or not samples[0][0]:  # an empty batch on one replica: its loss is NaN anyway
-            return 1.0 / (self.size * self.state.accumulation * self.state.grad_scale)
+            return 1.0 / (self.size * self.state.micro_steps(self.count) * self.state.grad_scale)
         return samples[0][0] / (sum(everyone for _, everyone in samples) * self.state.grad_scale)
 
     def _gather_sparse_of_known_modules(self) -> None:
@@ -291,11 +291,12 @@ class GradientSynchronizer:
                 )
         if self.size == 1:
             grads = [p.grad for p in self.params if p.grad is not None]
-            scale = self._scale()  # 1 / accumulation unless micro-steps are weighted by unequal samples
-            if grads and scale != 1.0 / self.state.accumulation:
+            scale = self._scale()  # 1 / micro-steps unless micro-steps are weighted by unequal samples
+            micro_steps = self.state.micro_steps(self.count)
+            if grads and scale != 1.0 / micro_steps:
                 torch._foreach_mul_(grads, scale)
-            elif grads and self.state.accumulation != 1:
-                torch._foreach_div_(grads, float(self.state.accumulation))
+            elif grads and micro_steps != 1:
+                torch._foreach_div_(grads, float(micro_steps))
             self._reduced = True
             return
         self._gather_sparse_of_known_modules()
@@ -346,7 +347,7 @@ class GradientSynchronizer:
         by `_scale()`, sums them back to themselves: the inverse of `_scale()` summed over the replicas."""
         samples = self.state.samples_since(self._update_start)
         if not samples or not samples[0][0] or not samples[0][1]:
-            return self.state.accumulation * self.state.grad_scale
+            return self.state.micro_steps(self.count) * self.state.grad_scale
         return self.state.grad_scale * sum(everyone for _, everyone in samples) / samples[0][1]
 
     def _sum_sparse(self) -> dict[int, torch.Tensor]:
