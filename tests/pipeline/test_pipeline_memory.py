@@ -90,19 +90,20 @@ def test_a_stage_holds_only_its_own_parameters_gradients_and_optimizer_state(wor
         assert held["optimizer_bytes"] == 2 * own  # exp_avg and exp_avg_sq
 
 
-def meta_stage(chunks: int) -> tuple[int, list[torch.Tensor], list[torch.Tensor], int, int]:
+def meta_stage(chunks: int) -> tuple[int, list[torch.Tensor], list[torch.Tensor], int, int, torch.Tensor]:
     repl = rp.Replicator(stages=2, chunks=chunks)
     with repl.scope():
         with torch.device("meta"):
             layers = model_layers()  # shapes only: no process ever holds the whole model's values
         pipe = repl.pipeline(layers, balance=BALANCE)
+        generator = torch.random.get_rng_state()  # before the scope's end reseeds it per stage
         optimizer = repl.wrap_optimizer(torch.optim.SGD(pipe.parameters(), lr=LR, momentum=0.9))
     start = [p.detach().clone() for p in pipe.parameters()]
     train(repl, pipe, optimizer)
     end = [p.detach().clone() for p in pipe.parameters()]
     others_on_meta = sum(p.is_meta for i, layer in enumerate(layers) if i not in stage_layers(repl.stage_id)
                          for p in layer.parameters())
-    return repl.stage_id, start, end, sum(p.nbytes for p in live_parameters()), others_on_meta
+    return repl.stage_id, start, end, sum(p.nbytes for p in live_parameters()), others_on_meta, generator
 
 
 def one_process_training() -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
@@ -122,7 +123,11 @@ def one_process_training() -> tuple[list[list[torch.Tensor]], list[list[torch.Te
 def test_a_pipeline_built_on_the_meta_device_starts_and_trains_bit_for_bit_as_one_process() -> None:
     # One micro-batch and one replica run the unsplit model's arithmetic, in its order: bit-equality holds.
     start, end = one_process_training()
-    for stage, got_start, got_end, live_bytes, others_on_meta in run_replicas(meta_stage, 2, 1, timeout_s=180):
+    model_layers()
+    after_a_whole_build = torch.random.get_rng_state()
+    for stage, got_start, got_end, live_bytes, others_on_meta, generator in run_replicas(meta_stage, 2, 1,
+                                                                                         timeout_s=180):
+        assert torch.equal(generator, after_a_whole_build)  # so the stages' dropout streams are a whole build's too
         assert all(torch.equal(g, w) for g, w in zip(got_start, start[stage], strict=True))
         assert all(torch.equal(g, w) for g, w in zip(got_end, end[stage], strict=True))
         assert live_bytes == sum(p.nbytes for p in start[stage])
@@ -136,7 +141,7 @@ def test_a_meta_built_pipeline_of_two_replicas_matches_one_process() -> None:
     # GLOBAL_BATCH terms of size <= 1 (softmax minus one-hot, times tanh <= 1, times inputs of a few units).
     gradient_error = 4 * GLOBAL_BATCH * torch.finfo(torch.float32).eps * 8
     tolerance = STEPS * STEPS * LR * gradient_error  # momentum 0.9 carries each step's error into the later ones
-    for stage, got_start, got_end, _, _ in run_replicas(meta_stage, 4, 2, timeout_s=240):
+    for stage, got_start, got_end, *_ in run_replicas(meta_stage, 4, 2, timeout_s=240):
         assert all(torch.equal(g, w) for g, w in zip(got_start, start[stage], strict=True))
         for got, want in zip(got_end, end[stage], strict=True):
             assert (got - want).abs().max().item() <= tolerance
@@ -220,3 +225,21 @@ def test_timing_a_meta_model_is_refused_on_every_process() -> None:
         run_replicas(meta_timed_balance, 2, timeout_s=120)
     assert [e.rank for e in caught.value.errors] == [0, 1]
     assert all('balance="time" runs every layer to time it' in e.message for e in caught.value.errors)
+
+
+def meta_interleaved_start() -> tuple[int, list[torch.Tensor], bool]:
+    repl = rp.Replicator(stages=2, chunks=2, schedule="interleaved", virtual_stages=2)
+    with repl.scope():
+        with torch.device("meta"):
+            layers = model_layers()
+        pipe = repl.pipeline(layers, balance=[1, 1, 1, 2])  # stage 0: pieces 0 and 2; stage 1: pieces 1 and 3
+    return repl.stage_id, [p.detach().clone() for p in pipe.parameters()], layers[4 - 2 * repl.stage_id].weight.is_meta
+
+
+def test_virtual_stages_materialize_each_of_their_pieces_with_a_whole_builds_values() -> None:
+    whole = model_layers()
+    pieces = {0: [0, 2], 1: [4]}  # the layers with parameters in each stage's pieces
+    for stage, params, other_on_meta in run_replicas(meta_interleaved_start, 2, timeout_s=120):
+        expected = [p for i in pieces[stage] for p in whole[i].parameters()]
+        assert all(torch.equal(g, w) for g, w in zip(params, expected, strict=True))
+        assert other_on_meta  # stage 0 never gives layer 4 values, nor stage 1 layer 2
