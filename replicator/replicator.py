@@ -199,8 +199,8 @@ class Replicator:
                  deferred_batchnorm: bool = False, init: Any = None) -> PipelineStage:
         """This process's stage of `layers` (a list of modules or an nn.Sequential).
 
-        Every process builds the whole model the same way (on the meta device too: then `init(layer)`, default
-        reset_parameters(), gives this stage's layers values); only the stage's share stays alive. Call
+        Every process builds the whole model the same way (on the meta device too: then reset_parameters() and
+        `init(layer)` give this stage's layers values); only the stage's share stays alive. Call
         `pipe.train_step(inputs, targets, loss_fn)` in step_fn and wrap an optimizer over `pipe.parameters()`:
         gradients are averaged across each stage's replicas. `balance`: layer counts, "params", or "time" (on `sample`).
         """

@@ -107,8 +107,8 @@ def build_pipeline(
         virtual_stages: V, model chunks per stage: the model is cut into K x V pieces (balance
             then counts K x V of them) and this stage keeps pieces stage_id, stage_id + K, ...
             Interleaved and zero-bubble schedules give a PipelineStage of StageChunks (V chunks).
-        init: for layers on the meta device, fn(layer) initialises one layer's parameters and
-            buffers in place once it has storage; default: its modules' reset_parameters().
+        init: for layers on the meta device, what the model does to each layer once built
+            (fn(layer), in place), run after every layer's reset_parameters(); default: nothing.
     """
     layers = layers_of(modules)  # a clear error for a model that is not a sequence of layers, before any collective
     refuse_meta(layers, balance)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from collections.abc import Callable, Collection, Sequence
@@ -35,42 +36,69 @@ def reset_parameters(module: nn.Module) -> None:
 
 def materialize(layers: Sequence[tuple[str, nn.Module]], kept: Collection[int], device: torch.device,
                 init: Init | None) -> None:
-    """Give the `kept` layers (indices) storage on `device` and initialise them, in place; drop the others.
+    """Give the `kept` layers (indices) storage on `device` and initialise them, in place; leave the others on meta.
 
-    Every layer on the meta device is initialised in model order, the others on a throwaway
-    copy that lives for one layer only, so the random generator passes through the states it
-    would building the whole model: a kept layer gets the values it would get there, and the
-    generator ends where a whole build leaves it. Memory: this process's layers plus the
-    largest other one. A tensor that `init` leaves unwritten (it was filled with NaN first)
-    raises the same error on every process, naming the layer and the tensor.
+    Building the whole model would run every layer's reset_parameters() in model order and
+    then, for a model that re-initialises itself once built (`init`), init on every layer in
+    model order. Both passes are replayed over every layer on the meta device: a kept layer
+    in place, any other on a throwaway copy that lives for one layer only. So the random
+    generator passes through the states of a whole build: a kept layer gets the values it
+    would get there, and the generator ends where a whole build leaves it. Memory: this
+    process's layers plus the largest other one. Each tensor is filled with NaN first; one
+    left unset raises the same error on every process, naming the layer and the tensor.
     """
-    fill = init if init is not None else reset_parameters
     seen: set[int] = set()
+    built: list[tuple[int, str, nn.Module]] = []
     for index, (name, layer) in enumerate(layers):
-        if id(layer) in seen or not is_meta(layer):  # a layer listed twice was built, and is initialised, once
-            continue
-        seen.add(id(layer))
-        target = layer if index in kept else copy.deepcopy(layer)
-        target.to_empty(device=device)
+        if id(layer) not in seen and is_meta(layer):  # a layer listed twice was built, and is initialised, once
+            seen.add(id(layer))
+            built.append((index, name, layer))
+    for index, name, layer in built:
+        target = _emptied(layer, device, in_place=index in kept)
+        reset_parameters(target)
+        if init is None:
+            _require_initialised(name, target, None)
+    if init is None:
+        return
+    for index, name, layer in built:
+        target = layer if index in kept else _emptied(layer, device, in_place=False)
+        if target is not layer:
+            with _draws_discarded(device):  # what the first pass set, with no draws: only init's count here
+                reset_parameters(target)
         with torch.no_grad():
-            for tensor in itertools.chain(target.parameters(), target.buffers()):
-                if tensor.is_floating_point() or tensor.is_complex():
-                    tensor.fill_(float("nan"))
-            fill(target)
-        _require_initialised(name, target, init is None)
+            init(target)
+        _require_initialised(name, target, init)
 
 
-def _require_initialised(name: str, layer: nn.Module, by_default: bool) -> None:
+def _emptied(layer: nn.Module, device: torch.device, *, in_place: bool) -> nn.Module:
+    """`layer` (or a copy) with storage on `device`, every floating-point tensor NaN, so that an unset one shows."""
+    target = layer if in_place else copy.deepcopy(layer)
+    target.to_empty(device=device)
+    with torch.no_grad():
+        for tensor in itertools.chain(target.parameters(), target.buffers()):
+            if tensor.is_floating_point() or tensor.is_complex():
+                tensor.fill_(float("nan"))
+    return target
+
+
+def _draws_discarded(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """Random numbers drawn inside leave the generators (CPU and `device`'s) as they were."""
+    if device.type == "cpu":
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(devices=[device], device_type=device.type)
+
+
+def _require_initialised(name: str, layer: nn.Module, init: Init | None) -> None:
     """Raise if a floating-point tensor of `layer` still holds the NaN it was filled with before init."""
     for tensor_name, tensor in itertools.chain(layer.named_parameters(), layer.named_buffers()):
         if (tensor.is_floating_point() or tensor.is_complex()) and bool(torch.isnan(tensor).any()):
-            how = ("its modules' reset_parameters() (the default init) left it unset"
-                   if by_default else "the init= function left it unset (or wrote NaN)")
+            how = ("its modules' reset_parameters() left it unset" if init is None
+                   else "neither its modules' reset_parameters() nor init= set it (or one wrote NaN)")
             raise ValueError(
                 f"layer {name} ({type(layer).__name__}) was built on the meta device, and {tensor_name} has no values "
-                f"after materializing it: {how}. Pass repl.pipeline(..., init=fn), where fn(layer) initialises every "
-                "parameter and buffer of one layer in place (called on each layer on its device, in model order), "
-                "or build that layer on a real device"
+                f"after materializing it: {how}. Pass repl.pipeline(..., init=fn), where fn(layer) sets every "
+                "parameter and buffer of one layer in place (called after reset_parameters(), on each layer in model "
+                "order, on its device), or build that layer on a real device"
             )
 
 

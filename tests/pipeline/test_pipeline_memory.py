@@ -163,37 +163,54 @@ def scaled_layers() -> list[torch.nn.Module]:
     return [torch.nn.Linear(6, 8), Scaled(8), torch.nn.Linear(8, 3)]
 
 
-def meta_without_init(init: bool) -> list[float]:
+def meta_without_init() -> None:
     repl = rp.Replicator(stages=2, chunks=2)
     with repl.scope():
         with torch.device("meta"):
             layers = scaled_layers()
-
-        def fill(layer: torch.nn.Module) -> None:
-            if isinstance(layer, Scaled):
-                torch.nn.init.normal_(layer.scale)
-            else:
-                layer.reset_parameters()  # type: ignore[operator]
-
-        pipe = repl.pipeline(layers, balance=[2, 1], init=fill if init else None)
-    return [float(p.detach().sum()) for p in pipe.parameters()]
+        repl.pipeline(layers, balance=[2, 1])
 
 
 def test_a_meta_layer_that_reset_parameters_leaves_unset_is_named_on_every_process() -> None:
     with pytest.raises(ReplicaFailure) as caught:
-        run_replicas(meta_without_init, 2, False, timeout_s=120)
+        run_replicas(meta_without_init, 2, timeout_s=120)
     assert [e.rank for e in caught.value.errors] == [0, 1]
     for error in caught.value.errors:
         assert "layer 1 (Scaled) was built on the meta device, and scale has no values" in error.message
         assert "init=fn" in error.message
 
 
-def test_init_gives_a_meta_layer_its_values() -> None:
-    whole = scaled_layers()
-    first, second = run_replicas(meta_without_init, 2, True, timeout_s=120)
-    # fill() draws Scaled's parameter with normal_, as torch.randn drew it in __init__: the same values.
-    assert first == [float(p.detach().sum()) for layer in whole[:2] for p in layer.parameters()]
-    assert second == [float(p.detach().sum()) for p in whole[2].parameters()]
+def gpt2_init(layer: torch.nn.Module) -> None:
+    """What nanoGPT does to every module once the whole model is built (GPT-2's initialisation)."""
+    for module in layer.modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, torch.nn.Linear) and module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
+
+
+def reinitialised_layers() -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    layers = [torch.nn.Embedding(10, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 10)]
+    for layer in layers:  # after every layer was built, drawing as it was built: the draws come in two passes
+        gpt2_init(layer)
+    return layers
+
+
+def meta_with_init() -> tuple[int, list[torch.Tensor]]:
+    repl = rp.Replicator(stages=2, chunks=2)
+    with repl.scope():
+        with torch.device("meta"):
+            layers = reinitialised_layers()  # gpt2_init on meta tensors draws nothing
+        pipe = repl.pipeline(layers, balance=[2, 2], init=gpt2_init)
+    return repl.stage_id, [p.detach().clone() for p in pipe.parameters()]
+
+
+def test_init_replays_what_a_model_does_once_built_and_matches_a_whole_build() -> None:
+    whole = reinitialised_layers()
+    for stage, params in run_replicas(meta_with_init, 2, timeout_s=120):
+        expected = [p for layer in whole[2 * stage: 2 * stage + 2] for p in layer.parameters()]
+        assert all(torch.equal(g, w) for g, w in zip(params, expected, strict=True))
 
 
 def meta_outside_a_pipeline() -> None:
