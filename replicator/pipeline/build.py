@@ -12,7 +12,7 @@ from torch import nn
 
 from replicator.pipeline.batchnorm import convert_deferred_batchnorm
 from replicator.pipeline.hooks import StageHooks, with_no_sync
-from replicator.pipeline.materialize import Init, materialize, refuse_meta
+from replicator.pipeline.materialize import Init, check_meta, materialize
 from replicator.pipeline.partition import Balance, check_stage_count, layers_of, resolve_balance, split
 from replicator.pipeline.recompute import resolve_recompute
 from replicator.pipeline.schedule import SCHEDULES, Op, Schedule, schedule_key
@@ -111,7 +111,7 @@ def build_pipeline(
             (fn(layer), in place), run after every layer's reset_parameters(); default: nothing.
     """
     layers = layers_of(modules)  # a clear error for a model that is not a sequence of layers, before any collective
-    refuse_meta(layers, balance)
+    check_meta(layers, balance, init)
     place = torch.device(device) if device is not None else torch.device("cpu")  # where meta layers materialize
     if not 0 <= stage_id < num_stages:
         raise ValueError(f"stage_id must be in 0..{num_stages - 1}, got {stage_id}")

@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 from torch import nn
 
-__all__ = ["Init", "is_meta", "reset_parameters", "materialize", "refuse_meta"]
+__all__ = ["Init", "is_meta", "reset_parameters", "materialize", "check_meta"]
 
 Init = Callable[[nn.Module], None]
 
@@ -102,10 +102,29 @@ def _require_initialised(name: str, layer: nn.Module, init: Init | None) -> None
             )
 
 
-def refuse_meta(layers: Sequence[tuple[str, nn.Module]], balance: object) -> None:
-    """Raise for what a meta-device model cannot do: be profiled (balance="time")."""
-    if balance == "time" and any(is_meta(layer) for _, layer in layers):
+def check_meta(layers: Sequence[tuple[str, nn.Module]], balance: object, init: Init | None) -> None:
+    """Raise, the same on every process, for a model half on meta, init= without meta, or balance="time" on meta."""
+    meta = [name for name, layer in layers if is_meta(layer)]
+    real = [name for name, layer in layers if not is_meta(layer) and _holds_tensors(layer)]
+    if meta and real:
+        raise ValueError(
+            f"{_are(meta)} on the meta device but {_are(real)} not: build every layer "
+            "on the meta device or none (a layer built for real drew its random numbers when it was built, so the "
+            "stages could not replay a whole build's)"
+        )
+    if init is not None and not meta:
+        raise ValueError("init= initialises layers built on the meta device, and no layer is on it: build the layers "
+                         "under `with torch.device(\"meta\"):`, or drop init= and initialise them as you build them")
+    if balance == "time" and meta:
         raise ValueError(
             'balance="time" runs every layer to time it, but the model is on the meta device (no values); '
             'pass balance="params" or layer counts, or build the model on a real device'
         )
+
+
+def _are(names: list[str]) -> str:
+    return f"layer {names[0]} is" if len(names) == 1 else f"layers {', '.join(names)} are"
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    return any(True for _ in itertools.chain(module.parameters(), module.buffers()))

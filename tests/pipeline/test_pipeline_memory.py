@@ -229,19 +229,30 @@ def test_a_meta_model_without_a_pipeline_gets_a_clear_error_on_every_replica() -
         assert "to_empty(device=repl.device)" in error.message
 
 
-def meta_timed_balance() -> None:
+def meta_mistake(mistake: str) -> None:
     repl = rp.Replicator(stages=2, chunks=2)
     with repl.scope():
         with torch.device("meta"):
             layers = model_layers()
-        repl.pipeline(layers, balance="time", sample=torch.zeros(4, 6))
+        if mistake == "time":
+            repl.pipeline(layers, balance="time", sample=torch.zeros(4, 6))
+        elif mistake == "half on meta":
+            layers[2] = torch.nn.Linear(32, 32)
+            repl.pipeline(layers, balance=BALANCE)
+        else:  # init= for a model with values
+            repl.pipeline(model_layers(), balance=BALANCE, init=gpt2_init)
 
 
-def test_timing_a_meta_model_is_refused_on_every_process() -> None:
+@pytest.mark.parametrize(("mistake", "message"), [
+    ("time", 'balance="time" runs every layer to time it, but the model is on the meta device'),
+    ("half on meta", "layers 0, 4 are on the meta device but layer 2 is not: build every layer on the meta device"),
+    ("init without meta", "init= initialises layers built on the meta device, and no layer is on it"),
+])
+def test_what_a_meta_model_cannot_do_is_refused_on_every_process(mistake: str, message: str) -> None:
     with pytest.raises(ReplicaFailure) as caught:
-        run_replicas(meta_timed_balance, 2, timeout_s=120)
+        run_replicas(meta_mistake, 2, mistake, timeout_s=120)
     assert [e.rank for e in caught.value.errors] == [0, 1]
-    assert all('balance="time" runs every layer to time it' in e.message for e in caught.value.errors)
+    assert all(message in e.message for e in caught.value.errors)
 
 
 def meta_interleaved_start() -> tuple[int, list[torch.Tensor], bool]:
