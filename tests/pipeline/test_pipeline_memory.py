@@ -213,19 +213,25 @@ def test_init_replays_what_a_model_does_once_built_and_matches_a_whole_build() -
         assert all(torch.equal(g, w) for g, w in zip(params, expected, strict=True))
 
 
-def meta_outside_a_pipeline() -> None:
+def meta_outside_a_pipeline(wrap: bool) -> None:
     repl = rp.Replicator()
     with repl.scope():
         with torch.device("meta"):
-            torch.nn.Linear(4, 4)
+            model = torch.nn.Linear(4, 4)
+        if wrap:
+            repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def test_a_meta_model_without_a_pipeline_gets_a_clear_error_on_every_replica() -> None:
+@pytest.mark.parametrize(("wrap", "message"), [
+    (False, "Linear.weight is on the meta device (a shape, no values) at the end of repl.scope()"),
+    (True, "Linear.weight is on meta but replica 0 runs on cpu (in wrap_optimizer()); a model built on the meta"),
+])
+def test_a_meta_model_without_a_pipeline_gets_a_clear_error_on_every_replica(wrap: bool, message: str) -> None:
     with pytest.raises(ReplicaFailure) as caught:
-        run_replicas(meta_outside_a_pipeline, 2, timeout_s=120)
+        run_replicas(meta_outside_a_pipeline, 2, wrap, timeout_s=120)
     assert [e.rank for e in caught.value.errors] == [0, 1]
     for error in caught.value.errors:
-        assert "Linear.weight is on the meta device (a shape, no values) at the end of repl.scope()" in error.message
+        assert message.replace("replica 0", f"replica {error.rank}") in error.message
         assert "to_empty(device=repl.device)" in error.message
 
 
