@@ -196,13 +196,13 @@ class Replicator:
         return self.optimizers.wrap_scheduler(scheduler)
 
     def pipeline(self, layers: Any, balance: Any = "params", *, sample: Any = None,
-                 deferred_batchnorm: bool = False) -> PipelineStage:
+                 deferred_batchnorm: bool = False, init: Any = None) -> PipelineStage:
         """This process's stage of `layers` (a list of modules or an nn.Sequential).
 
-        Every process builds the whole model the same way; the stage keeps its share. Call `pipe.train_step(inputs,
-        targets, loss_fn)` in step_fn and wrap an optimizer over `pipe.parameters()`: gradients are then averaged
-        across the replicas of each stage. `balance` is a list of layer counts, "params", or "time" (profiled on
-        `sample`).
+        Every process builds the whole model the same way (on the meta device too: then reset_parameters() and
+        `init(layer)` give this stage's layers values); only the stage's share stays alive. Call
+        `pipe.train_step(inputs, targets, loss_fn)` in step_fn and wrap an optimizer over `pipe.parameters()`:
+        gradients are averaged across each stage's replicas. `balance`: layer counts, "params", or "time" (on `sample`).
         """
         from replicator.pipeline import build_pipeline, job_hooks
 
@@ -212,8 +212,9 @@ class Replicator:
             stage_ranks=self.groups.stage_ranks, stage_group=self.groups.stage, chunks=self.chunks,
             schedule=self.schedule, recompute=self.recompute, device=self.device, sample=sample,
             deferred_batchnorm=deferred_batchnorm, balance_group=self.groups.control,
-            replica=self.replica_id, hooks=hooks, virtual_stages=self.virtual_stages,
+            replica=self.replica_id, hooks=hooks, virtual_stages=self.virtual_stages, init=init,
         )
+        self.models.keep_stage(layers, stage.module)  # else the scope would keep the other stages' layers alive
         self._stages.append(stage)
         if not self.models.is_open:
             seed_stage(self.job.mesh)

@@ -34,6 +34,13 @@ class _Block:
             self.modules.setdefault(id(child), child)
             self.children.add(id(child))
 
+    def forget(self, dropped: Callable[[torch.nn.Module], bool]) -> None:
+        """Stop watching the modules for which `dropped` is true (and their ids, which Python may reuse)."""
+        for key, module in list(self.modules.items()):
+            if dropped(module):
+                del self.modules[key]
+                self.children.discard(key)
+
     def roots(self) -> list[torch.nn.Module]:
         return [m for key, m in self.modules.items() if key not in self.children]
 
@@ -92,8 +99,29 @@ class ModelScope:
             self._open = None
         self._finish(block, optimized())
 
+    def keep_stage(self, layers: torch.nn.Module | Iterable[torch.nn.Module], stage: torch.nn.Module) -> None:
+        """Forget every module of `layers` outside `stage`, and every module holding one, once a pipeline is cut.
+
+        What the scope keeps lives as long as the Replicator: kept, the other stages' layers
+        would stay in memory in every process.
+        """
+        kept = {id(m) for m in stage.modules()}
+        whole = [layers] if isinstance(layers, torch.nn.Module) else list(layers)
+        others = {id(m) for layer in whole for m in layer.modules()} - kept
+
+        def dropped(module: torch.nn.Module) -> bool:
+            return any(id(m) in others for m in module.modules())
+
+        gone = {id(t) for m in self.modules if dropped(m) for t in [*m.parameters(), *m.buffers()]}
+        self.modules[:] = [m for m in self.modules if not dropped(m)]  # in place: the optimizers' state shares it
+        for key in gone & self.tensor_names.keys():  # in place too: the guard and the optimizers read this dict
+            del self.tensor_names[key]
+        if self._open is not None:
+            self._open.forget(dropped)
+
     def _finish(self, block: _Block, extra_tensors: Iterable[torch.Tensor]) -> None:
         roots = block.roots()
+        self._refuse_meta(roots)
         for root in roots:
             root.to(self.device)
         self.modules.extend(root for root in roots if all(root is not m for m in self.modules))
@@ -105,6 +133,19 @@ class ModelScope:
         for tensor in extra_tensors:
             tensors.setdefault(id(tensor), tensor)
         self._copy_from_first(list(tensors.values()), "at the end of repl.scope()")
+
+    def _refuse_meta(self, roots: list[torch.nn.Module]) -> None:
+        """Raise, naming the first tensor, if a module built in the block has no values (the meta device)."""
+        for root in roots:
+            for name, tensor in [*root.named_parameters(prefix=type(root).__name__),
+                                 *root.named_buffers(prefix=type(root).__name__)]:
+                if tensor.is_meta:
+                    raise ReplicatorUsageError(
+                        f"{name} is on the meta device (a shape, no values) at the end of repl.scope() (replica "
+                        f"{self.mesh.replica_id}): pass the layers to repl.pipeline(...), which gives each stage's "
+                        "layers values, or give the model values inside the block: "
+                        "model.to_empty(device=repl.device), then initialise it (e.g. its reset_parameters())"
+                    )
 
     def adopt(self, tensors: list[torch.Tensor], where: str) -> None:
         """Give tensors that join after repl.scope() (an optimizer's new parameter group) replica 0's values.
@@ -161,10 +202,17 @@ class ModelScope:
                 name = self.names().get(id(tensor))
                 raise ReplicatorUsageError(
                     f"{name or 'a parameter of shape ' + str(tuple(tensor.shape))} is on {tensor.device} but replica "
-                    f"{self.mesh.replica_id} runs on {self.device} ({where}); create the model inside repl.scope() "
-                    f"or move it with model.to(repl.device) before wrapping its optimizer"
+                    f"{self.mesh.replica_id} runs on {self.device} ({where}); "
+                    + (_META_HINT if tensor.is_meta else "create the model inside repl.scope() or move it with "
+                       "model.to(repl.device) before wrapping its optimizer")
                 )
 
+
+_META_HINT = (
+    "a model built on the meta device has no values yet: wrap the optimizer over pipe.parameters() of the stage "
+    "repl.pipeline(layers) returns (it gives this stage's layers values), or over a model given values with "
+    "model.to_empty(device=repl.device) and initialised"
+)
 
 _SAME_MODEL = (
     "Every replica must build the same model: look for a size, a layer or an option that depends on the replica "

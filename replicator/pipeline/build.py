@@ -12,6 +12,7 @@ from torch import nn
 
 from replicator.pipeline.batchnorm import convert_deferred_batchnorm
 from replicator.pipeline.hooks import StageHooks, with_no_sync
+from replicator.pipeline.materialize import Init, check_meta, materialize
 from replicator.pipeline.partition import Balance, check_stage_count, layers_of, resolve_balance, split
 from replicator.pipeline.recompute import resolve_recompute
 from replicator.pipeline.schedule import SCHEDULES, Op, Schedule, schedule_key
@@ -86,11 +87,14 @@ def build_pipeline(
     no_sync: Callable[[], AbstractContextManager[Any]] | None = None,
     record: bool = True,
     virtual_stages: int = 1,
+    init: Init | None = None,
 ) -> PipelineStage:
     """Split `modules` into `num_stages` stages and return stage `stage_id` as a PipelineStage.
 
     Every process builds the whole model the same way (same seed) and calls this; each
-    keeps its own stage and the others can be dropped. Args as in PipelineStage, plus:
+    keeps its own stage, and the others are freed once the caller drops its references to
+    `modules`. A model built on the meta device (`with torch.device("meta"):`) is
+    materialized here, this stage's layers only (materialize.py). Args as in PipelineStage, plus:
         balance: layer counts per stage, "params" or "time" (profiles on `sample`).
         sample: a batch for the first layer, needed by balance="time".
         balance_group: a group spanning every process of the job (ProcessGroups.control) so
@@ -103,8 +107,12 @@ def build_pipeline(
         virtual_stages: V, model chunks per stage: the model is cut into K x V pieces (balance
             then counts K x V of them) and this stage keeps pieces stage_id, stage_id + K, ...
             Interleaved and zero-bubble schedules give a PipelineStage of StageChunks (V chunks).
+        init: for layers on the meta device, what the model does to each layer once built
+            (fn(layer), in place), run after every layer's reset_parameters(); default: nothing.
     """
-    layers_of(modules)  # a clear error for a model that is not a sequence of layers, before any collective
+    layers = layers_of(modules)  # a clear error for a model that is not a sequence of layers, before any collective
+    check_meta(layers, balance, init)
+    place = torch.device(device) if device is not None else torch.device("cpu")  # where meta layers materialize
     if not 0 <= stage_id < num_stages:
         raise ValueError(f"stage_id must be in 0..{num_stages - 1}, got {stage_id}")
     if _runs_chunks(schedule, virtual_stages):
@@ -112,6 +120,7 @@ def build_pipeline(
         pieces = agreed_balance(modules, num_stages * virtual_stages, balance, sample=sample, device=device,
                                 group=balance_group if balance_group is not None else stage_group)
         mine: list[nn.Module] = list(split(modules, pieces)[stage_id::num_stages])
+        materialize(layers, _kept(pieces, range(stage_id, len(pieces), num_stages)), place, init)
         if deferred_batchnorm:
             mine = [convert_deferred_batchnorm(piece) for piece in mine]
         for piece in mine:
@@ -125,6 +134,7 @@ def build_pipeline(
     counts = agreed_balance(modules, num_stages, balance, sample=sample, device=device,
                             group=balance_group if balance_group is not None else stage_group)
     module: nn.Module = split(modules, counts)[stage_id]
+    materialize(layers, _kept(counts, [stage_id]), place, init)
     if deferred_batchnorm:
         module = convert_deferred_batchnorm(module)
     if device is not None:
@@ -134,6 +144,12 @@ def build_pipeline(
         schedule=schedule, recompute=resolve_recompute(recompute, checkpoint), device=device, replica=replica,
         record=record, hooks=with_no_sync(hooks, no_sync),
     )
+
+
+def _kept(counts: list[int], pieces: Sequence[int]) -> set[int]:
+    """The indices of the layers in `pieces` of a model cut into `counts` layers per piece."""
+    starts = [sum(counts[:piece]) for piece in range(len(counts))]
+    return {index for piece in pieces for index in range(starts[piece], starts[piece] + counts[piece])}
 
 
 def _check_pieces(num_layers: int, num_stages: int, virtual_stages: int, balance: Balance) -> None:
