@@ -79,11 +79,9 @@ class Replicator:
     def __init__(
         self,
         *,
-        stages: int = 1, chunks: int = 1,
-        schedule: str = "gpipe", recompute: str = "except_last", virtual_stages: int = 1,
-        reducer: str | Reducer = "auto", bucket_cap_mb: float = 25.0,
+        stages: int = 1, chunks: int = 1, schedule: str = "gpipe", recompute: str = "except_last", virtual_stages: int = 1,
+        reducer: str | Reducer = "auto", bucket_cap_mb: float = 25.0, precision: str | Precision = "fp32",
         timeout_s: float | None = None, debug: bool | None = None, nonfinite: str = "raise",
-        precision: str | Precision = "fp32",
         uneven_batches: str | Callable[[Any], int] = "refuse", sparse_as_dense: bool = False,
         checkpoint: str | None = None, mode: str = "sync", sync_group_size: int = 1,
         outer_every: int | None = None, outer_optimizer: OuterOptimizer | None = None,
