@@ -79,11 +79,11 @@ class Replicator:
     def __init__(
         self,
         *,
-        stages: int = 1, chunks: int = 1, schedule: str = "gpipe", recompute: str = "except_last", virtual_stages: int = 1,
+        stages: int = 1, chunks: int = 1, schedule: str = "gpipe", virtual_stages: int = 1,
         reducer: str | Reducer = "auto", bucket_cap_mb: float = 25.0, precision: str | Precision = "fp32",
         timeout_s: float | None = None, debug: bool | None = None, nonfinite: str = "raise",
         uneven_batches: str | Callable[[Any], int] = "refuse", sparse_as_dense: bool = False,
-        checkpoint: str | None = None, mode: str = "sync", sync_group_size: int = 1,
+        recompute: str = "except_last", checkpoint: str | None = None, mode: str = "sync", sync_group_size: int = 1,
         outer_every: int | None = None, outer_optimizer: OuterOptimizer | None = None,
         parameter_servers: int = 0, max_staleness: int | None = None, actors: int = 0, evaluator: bool = False,
     ) -> None:
