@@ -24,6 +24,7 @@ from replicator.loop import Observer, StepLoop, check_run_arguments
 from replicator.pipeline.randomness import seed_stage
 from replicator.pipeline.recompute import resolve_recompute
 from replicator.record import RunRecord
+from replicator.run_arguments import agree_on_run_arguments
 from replicator.scope import ModelScope
 from replicator.sync.broadcast import broadcast_state
 from replicator.sync.buffers import average_buffers
@@ -283,6 +284,8 @@ class Replicator:
                           self.optimizers.mid_accumulation)
         self.record = RunRecord.open(record, name, self.job, self.arguments, self.reducer, self._trained_modules())
         serving = serves_this_run(self.regime, actor_fn, update_period, steps)  # a server, an actor, the evaluator
+        if not serving:  # the processes that step together agree on their steps (and where they save) first
+            agree_on_run_arguments(self.job.agreement, steps, epochs, checkpoint_every, checkpoint_dir, self.optimizers)
         from replicator.checkpoint import latest
 
         fresh = not self._restored and self.global_step == 0  # a fresh Replicator resumes from checkpoint_dir
