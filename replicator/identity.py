@@ -105,7 +105,8 @@ def require_same_layout(agreement: Agreement, named: NamedTensors, where: str, a
     if agreement.size == 1:
         return
     lines = _layout(named)
-    verdict = agreement.require_same(f"compare the layout of tensors {where}", "", [_digest(lines)])
+    what = f"checking that every replica's parameters and state have the same names and shapes {where}"
+    verdict = agreement.require_same(what, "", [_digest(lines)])
     if not verdict.unanimous:
         _raise_layout_mismatch(agreement, lines, where, advice)
 
@@ -151,7 +152,8 @@ def require_identical(agreement: Agreement, named: NamedTensors, where: str, adv
     lines = _layout(named)
     prints = [fingerprint_of(tensor) for _, tensor in named]
     combined = zlib.crc32(b"".join(value.to_bytes(4, "little") for value in prints))
-    verdict = agreement.require_same(f"compare tensors {where}", "", [_digest(lines), combined])
+    what = f"checking that every replica holds the same parameters and state {where}"
+    verdict = agreement.require_same(what, "", [_digest(lines), combined])
     if verdict.unanimous:
         return
     if verdict.maxima[0] != verdict.minima[0]:

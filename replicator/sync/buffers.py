@@ -40,7 +40,8 @@ def average_buffers(modules: Iterable[torch.nn.Module], group: dist.ProcessGroup
     buffers = list({id(b): b for module in modules for b in module.buffers() if id(b) not in iterated}.values())
     layout = ";".join(f"{b.dtype}{tuple(b.shape)}" for b in buffers)
     # Different models (or buffer sets) would pair mismatched collectives: fail together instead.
-    agreement.require_same(f"average {len(buffers)} buffers (layout crc {zlib.crc32(layout.encode())})")
+    shapes = zlib.crc32(layout.encode())
+    agreement.require_same(f"averaging the model's {len(buffers)} buffers (dtypes and shapes hashed: {shapes})")
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for buffer in buffers:
         by_kind.setdefault((buffer.dtype, buffer.device), []).append(buffer)

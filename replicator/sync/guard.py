@@ -173,8 +173,9 @@ class UnownedGradients:
                               stacklevel=2)
                 self._stop()
             return
-        verdict = self.agreement.require_same("check that every trained parameter is synchronized", "",
-                                              [len(self._hooks), len(trained)])
+        # The label is what a user reads when replicas diverge here: what run() was doing, in their terms.
+        what = f"run() after {step + 1} step(s): checking that no parameter is updated without repl.wrap_optimizer()"
+        verdict = self.agreement.require_same(what, "", [len(self._hooks), len(trained)])
         if verdict.maxima[1]:
             self._stop()
             raise ReplicatorUsageError(

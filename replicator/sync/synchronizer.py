@@ -196,8 +196,8 @@ class GradientSynchronizer:
             # Every round is agreed, and names its step, so a backward pass that only some replicas
             # run (a saliency pass on replica 0 inside step_fn) fails on all of them, naming where
             # it was called. Checked without blocking: the verdict is awaited before the buckets are.
-            what = f"gradient sync of {self.label}, step {self.state.step}, window {self._windows}"
-            what += f", round {self._rounds}" if self._rounds > 1 else ""
+            what = f"gradient sync of {self.label}, step {self.state.step}, update {self._windows}"
+            what += f", backward pass {self._rounds} of the update" if self._rounds > 1 else ""
             self._agreement_in_flight = self.agreement.start(what, _backward_site())
             bucket.arrival = self._agreement_in_flight
         if self.debug:
