@@ -1,4 +1,10 @@
-"""What the launcher says when replicas fail: each distinct error once, with its ranks; tracebacks in a log file."""
+"""What the launcher says when replicas fail: each distinct error once, with its ranks; tracebacks in a log file.
+
+Errors that differ only in the raising replica's own number ("... (replica 0)", "... (replica 1)")
+are one error, printed once with every replica named ("... (replicas 0, 1)"). A replica that
+failed only because another had failed first (its peer closed the connection, it was stopped)
+is said to be so, in one line, instead of repeating a communication library's message.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,12 @@ __all__ = ["RankError", "read_error", "failure_lines", "interrupted_line", "Laun
 # Replicas name themselves in their errors ("(raised on replica 1)"); without that phrase the
 # same error raised on every replica reads the same, and is printed once.
 _RAISED_ON = re.compile(r"\s*\(raised on replica \d+\)|[,;]? raised on replica \d+")
+# Where else a message names its own replica ("(replica 1)", "on rank 1"): masked to compare errors.
+_SELF_REFERENCE = re.compile(r"\b(replica|rank) (\d+)\b")
+_OWN = "\0{}\0"  # the mask: the word it stands for, between NULs (never in a message)
+_MASKED = re.compile("\0(replica|rank)\0")
+# A C++ library's source position, "[/path/gloo/transport/tcp/pair.cc:553] ": nothing a user can act on.
+_SOURCE_POSITION = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
 
 
 @dataclass(frozen=True)
@@ -29,6 +41,7 @@ class RankError:
     site: str | None = None
     traceback: str = ""
     time: float | None = None  # when it was raised (seconds since the epoch), if known
+    after: tuple[int, ...] = ()  # the ranks whose failure the job's store held before this one failed
 
     def summary(self) -> str:
         """The error as the launcher prints it: the message without the raising replica, then the site."""
@@ -42,8 +55,10 @@ def read_error(error_file_data: Any) -> RankError | None:
     if isinstance(data, dict) and isinstance(data.get("message"), str):
         extra = data.get("extraInfo") or {}
         when = extra.get("time")
+        after = extra.get("after")
         return RankError(data["message"], extra.get("site"), str(extra.get("py_callstack") or ""),
-                         float(when) if isinstance(when, (int, float)) else None)
+                         float(when) if isinstance(when, (int, float)) else None,
+                         tuple(int(r) for r in after if isinstance(r, int)) if isinstance(after, list) else ())
     if isinstance(data, str) and data and data != "<NONE>":
         return RankError(data)
     return None
@@ -64,25 +79,70 @@ def _exit(code: int) -> str:
 
 def failure_lines(failures: dict[int, int], errors: dict[int, RankError], stopped: list[int]) -> list[str]:
     """One entry per distinct error with the ranks that raised it, the first raised first (often the cause of
-    the others); ranks without a recorded error by exit code; then the ranks the launcher stopped."""
+    the others); ranks without a recorded error by exit code; then the ranks that failed or were stopped only
+    because another had failed first."""
+    summaries = {rank: _masked(errors[rank].summary(), rank) for rank in failures if rank in errors}
+    consequences = {rank: errors[rank].after for rank in summaries
+                    if _follows(errors[rank].after, summaries[rank], summaries)}
     by_error: dict[str, list[int]] = {}
     first_time: dict[str, float] = {}
     for rank in sorted(failures):
+        if rank in consequences:
+            continue
         error = errors.get(rank)
-        key = error.summary() if error else f"{_exit(failures[rank])}, no error recorded (see its output above)"
+        key = summaries[rank] if error else \
+            f"{_exit(failures[rank])}, no error recorded (see its output above)"
         by_error.setdefault(key, []).append(rank)
         when = error.time if error and error.time is not None else math.inf
         first_time[key] = min(first_time.get(key, math.inf), when)
     timed = sum(when < math.inf for when in first_time.values())
     lines = []
-    for number, text in enumerate(sorted(by_error, key=first_time.__getitem__)):
-        first, *rest = text.split("\n")
+    ordered = sorted(by_error, key=first_time.__getitem__)
+    for number, key in enumerate(ordered):
+        ranks = by_error[key]
+        first, *rest = _unmasked(key, ranks).split("\n")
         label = " (first)" if number == 0 and timed > 1 else ""
-        lines.append(f"  {_ranks(by_error[text])}{label}: {first}")
+        lines.append(f"  {_ranks(ranks)}{label}: {first}")
         lines.extend(f"    {line}" for line in rest)
+    # What each follows: the ranks before it that failed of their own accord (else all that failed before it).
+    causes_of = {rank: tuple(r for r in after if r not in consequences) or after
+                 for rank, after in consequences.items()}
+    for cause in sorted(set(causes_of.values())):
+        ranks = [rank for rank, of in causes_of.items() if of == cause]
+        raised = sorted({_short(errors[rank].message) for rank in ranks})
+        then = f"then raised {raised[0]}" if len(raised) == 1 else "each then raised an error of its own"
+        lines.append(f"  {_ranks(ranks)}: stopped because {_ranks(list(cause))} failed first ({then}; "
+                     "full text in the log)")
     if stopped:
-        lines.append(f"  {_ranks(stopped)}: stopped by the launcher (still running when the job failed)")
+        causes = by_error[ordered[0]] if ordered else sorted(failures)
+        lines.append(f"  {_ranks(stopped)}: stopped by the launcher because {_ranks(causes)} failed (it was "
+                     "still running)" if causes else f"  {_ranks(stopped)}: stopped by the launcher")
     return lines
+
+
+def _follows(after: tuple[int, ...], summary: str, summaries: dict[int, str]) -> bool:
+    """A failure that only followed others: some failed before it, with another error (the same error is the
+    same failure, raised on more replicas)."""
+    earlier = [rank for rank in after if rank in summaries]
+    return bool(earlier) and all(summaries[rank] != summary for rank in earlier)
+
+
+def _masked(summary: str, rank: int) -> str:
+    """The summary with its own rank's number masked where a message names its replica or rank."""
+    return _SELF_REFERENCE.sub(lambda found: _OWN.format(found[1]) if int(found[2]) == rank else found[0], summary)
+
+
+def _unmasked(key: str, ranks: list[int]) -> str:
+    """A masked summary shared by `ranks`, each mask replaced by their numbers: "(replicas 0, 1)"."""
+    numbers = ", ".join(map(str, sorted(ranks)))
+    return _MASKED.sub(lambda found: f"{found[1]}{'s' if len(ranks) > 1 else ''} {numbers}", key)
+
+
+def _short(message: str, limit: int = 100) -> str:
+    """An error's first sentence, without a C++ source position: what a consequence line quotes."""
+    text = _SOURCE_POSITION.sub("", message.split("\n")[0]).strip()
+    sentence = text.split(". ")[0].rstrip(".")
+    return sentence if len(sentence) <= limit else sentence[: limit - 3].rstrip() + "..."
 
 
 def interrupted_line(stopped: list[int]) -> str:

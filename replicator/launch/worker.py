@@ -17,6 +17,7 @@ import sys
 import sysconfig
 import time
 import traceback
+from datetime import timedelta
 from types import TracebackType
 
 from replicator.errors import ReplicatorError
@@ -56,14 +57,44 @@ def _site(error: BaseException, tb: TracebackType | None) -> str | None:
     return site
 
 
-def _record(message: str, callstack: str, site: str | None) -> bool:
+_FAILURES_KEY = "replicator/failures"  # in the job's store: how many processes have failed, and which
+
+
+def _note_failure() -> list[int]:
+    """Note in the job's store that this process failed; return the ranks noted there before it.
+
+    The store lives in the launcher (torchrun's agent), so it outlives any replica. A replica
+    whose peer failed first then fails too (the peer closed its connections), with an error of
+    the communication library's: the order noted here lets the launcher say which failure came
+    first and that the later one only followed it. Bounded: a store that does not answer within
+    seconds is left alone.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    try:
+        from replicator.comm.store import job_store
+
+        store = job_store()
+        store.set_timeout(timedelta(seconds=5))
+        number = store.add(_FAILURES_KEY, 1)
+        store.set(f"{_FAILURES_KEY}/{number}", str(dist.get_rank()))
+        return [int(store.get(f"{_FAILURES_KEY}/{earlier}")) for earlier in range(1, number)]
+    except Exception:  # the store's host is gone too: the launcher orders failures by time alone
+        return []
+
+
+def _record(message: str, callstack: str, site: str | None, after: list[int] | None = None) -> bool:
     """Write the error file torchrun's agent reads; False when there is none to write."""
     path = os.environ.get(ERROR_FILE)
     if not path:
         return False
     now = time.time()
     # "timestamp" is torch's (whole seconds); "time" orders failures within a second for the summary.
-    extra: dict[str, str | float] = {"py_callstack": callstack, "timestamp": str(int(now)), "time": now}
+    extra: dict[str, str | float | list[int]] = {"py_callstack": callstack, "timestamp": str(int(now)), "time": now}
+    if after:
+        extra["after"] = after
     if site:
         extra["site"] = site
     try:
@@ -113,7 +144,8 @@ def run(argv: list[str]) -> None:
     except BaseException as error:  # everything else the target raises is reported, then exits 1
         tb = _user_frames(error.__traceback__)
         callstack = "".join(traceback.format_exception(type(error), error, tb))
-        recorded = _record(f"{type(error).__name__}: {error}", callstack, _site(error, tb))
+        after = _note_failure()  # before leaving: the peers' own failures follow from this one's departure
+        recorded = _record(f"{type(error).__name__}: {error}", callstack, _site(error, tb), after)
         _leave()
         if not recorded:
             raise

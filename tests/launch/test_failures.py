@@ -41,6 +41,8 @@ def start(tmp_path: Path, mode: str) -> subprocess.Popen:
                "--log-dir", str(tmp_path / "logs"), str(script), mode, str(tmp_path)]
     env = {"REPLICATOR_PROGRESS": "0", "REPLICATOR_DEVICE": "cpu", "REPLICATOR_TIMEOUT": "30", "PATH": "/usr/bin:/bin",
            "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]}
+    if "PYTHONPATH" in os.environ:  # a checkout put first on the path reaches the replicas too
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -79,7 +81,7 @@ def test_one_failing_replica_is_named_with_its_line_and_the_survivor_is_stopped_
     code, out, err = finish(start(tmp_path, "one"))
     assert code == 1, out + err
     assert "rank 1: ValueError: a bad value on purpose (at train.py:16 in <module>)" in out, out
-    assert "rank 0: stopped by the launcher (still running when the job failed)" in out, out
+    assert "rank 0: stopped by the launcher because rank 1 failed (it was still running)" in out, out
     assert "rank 0: exit code" not in out and "signal" not in out, out
     assert "Traceback" not in out + err
 
