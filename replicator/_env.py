@@ -24,6 +24,9 @@ RUNS = "REPLICATOR_RUNS"  # where run() records its runs (default "runs"); 0 rec
 TIMELINE = "REPLICATOR_TIMELINE"  # 1: every run() writes timeline-<time>.json; a path: there; 0: none
 DEVICE = "REPLICATOR_DEVICE"  # cpu or cuda: where replicas compute (default: cuda when a GPU is visible)
 BACKEND = "REPLICATOR_BACKEND"  # gloo or nccl: the collectives' backend (default: nccl on cuda, else gloo)
+HEARTBEAT = "REPLICATOR_HEARTBEAT"  # seconds a wait for peers lasts before the waiting replica names them; 0: never
+# A peer that is stuck is named after 30 s, ten times sooner than the default timeout ends the wait.
+DEFAULT_HEARTBEAT_S = 30.0
 
 _TRUE = ("1", "true", "yes", "on")
 # The root of run records, relative to the working directory, as TensorBoard's and Lightning's are.
@@ -48,6 +51,16 @@ def _number(name: str, default: float) -> float:
 def timeout_s() -> float:
     """Seconds a collective may wait (REPLICATOR_TIMEOUT, default 300)."""
     return _number(TIMEOUT, DEFAULT_TIMEOUT_S)
+
+
+def heartbeat_s(timeout_s: float) -> float:
+    """Seconds a wait for peers lasts before the waiting replica names them (REPLICATOR_HEARTBEAT; 0: never).
+
+    By default 30 s, or a third of a shorter collective timeout, so that it comes before the timeout."""
+    value = _number(HEARTBEAT, -1.0)
+    if value < 0:
+        return min(DEFAULT_HEARTBEAT_S, timeout_s / 3)
+    return value
 
 
 def debug() -> bool:

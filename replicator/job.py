@@ -17,6 +17,7 @@ import torch.distributed as dist
 from replicator import _env
 from replicator.comm import collectives
 from replicator.comm.agreement import Agreement, call_site
+from replicator.comm.heartbeat import Heartbeat
 from replicator.comm.local_link import LocalLink
 from replicator.comm.stalls import StallWatch, grace_for
 from replicator.context import ReplicaContext, set_active_context
@@ -88,6 +89,11 @@ class Job:
                   "bucket is checked and leaves a trail, at some cost in speed", flush=True)
         job = cls(topology, groups, timeout_s, debug, agreement, replica_agreement, context, data_link,
                   owns_process_group)
+        heartbeat_s = _env.heartbeat_s(timeout_s)
+        if topology.world_size > 1 and heartbeat_s > 0:  # a wait that lasts names the peers it waits for
+            one_role = mesh.stages == 1 and mesh.servers == 0 and mesh.world_size == mesh.num_replicas
+            names = [f"{'replica' if one_role else 'rank'} {rank}" for rank in range(topology.world_size)]
+            job.close_with(Heartbeat(topology.rank, names, heartbeat_s, timeout_s).start())
         if owns_process_group:
             atexit.register(job.close)
             _note_failures(job)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from replicator.comm.heartbeat import waiting
 from replicator.comm.local_link import LocalLink
 from replicator.comm.stalls import LOOK_EVERY_S, Channel, StallWatch, Waiting
 from replicator.comm.store import job_store
@@ -223,8 +224,12 @@ class PendingAgreement:
             agreement.posted += 1
         self._verdict: Verdict | None = None
 
+    def __str__(self) -> str:
+        """How a heartbeat names this check while a replica waits at it."""
+        return f"'{self.signature}'" + (f" ({self.site})" if self.site else "")
+
     def _receive(self) -> None:
-        with self._receiving:
+        with self._receiving, waiting(self):
             if self._work is not None:
                 self._wait_for_backend()
                 self._work = None

@@ -142,7 +142,7 @@ def _short(message: str, limit: int = 100) -> str:
     """An error's first sentence, without a C++ source position: what a consequence line quotes."""
     text = _SOURCE_POSITION.sub("", message.split("\n")[0]).strip()
     sentence = text.split(". ")[0].rstrip(".")
-    return sentence if len(sentence) <= limit else sentence[: limit - 3].rstrip() + "..."
+    return sentence if len(sentence) <= limit else sentence[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def interrupted_line(stopped: list[int]) -> str:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from replicator.comm.agreement import Agreement, PendingAgreement, call_site, raise_with_stragglers
+from replicator.comm.heartbeat import waiting
 from replicator.errors import ReplicatorUsageError
 from replicator.health import all_finite
 from replicator.sync.bucket import Bucket, Reducer, assign_buckets
@@ -232,8 +233,12 @@ class GradientSynchronizer:
         self._next_bucket = 0
         self._reduced = False
 
+    def __str__(self) -> str:
+        """How a heartbeat names this synchronizer's wait for the replicas' gradients."""
+        return f"the gradient sync of {self.label}, step {self.state.step}"
+
     def _wait_all(self) -> None:
-        with timeline.span("gradient wait", "communication", optimizer=self.label):
+        with timeline.span("gradient wait", "communication", optimizer=self.label), waiting(self):
             self._wait_for_buckets()
 
     def _wait_for_buckets(self) -> None:
