@@ -20,7 +20,7 @@ from replicator.errors import ReplicatorUsageError
 from replicator.health import check_nonfinite_policy
 from replicator.inputs import ReplicatedInput
 from replicator.job import Job, announced
-from replicator.loop import Observer, StepLoop, check_run_arguments
+from replicator.loop import Observer, StepLoop
 from replicator.pipeline.randomness import seed_stage
 from replicator.pipeline.recompute import resolve_recompute
 from replicator.record import RunRecord
@@ -279,13 +279,11 @@ class Replicator:
         The main process records the run (`repl.record`) in runs/<time>-<name>, `record` (a path) or not (False).
         `timeline=True` (or a file path, or REPLICATOR_TIMELINE=1) writes every process's spans as one Chrome trace.
         """
-        check_run_arguments(steps, checkpoint_every, checkpoint_dir, self.optimizers.state.accumulation, epochs)
+        agree_on_run_arguments(self, steps, epochs, checkpoint_every, checkpoint_dir)  # checked, then agreed
         cadence = Cadence(every, checkpoint_every, checkpoint_dir, self._save_step, keep,
                           self.optimizers.mid_accumulation)
         self.record = RunRecord.open(record, name, self.job, self.arguments, self.reducer, self._trained_modules())
         serving = serves_this_run(self.regime, actor_fn, update_period, steps)  # a server, an actor, the evaluator
-        if not serving:  # the processes that step together agree on their steps (and where they save) first
-            agree_on_run_arguments(self.job.agreement, steps, epochs, checkpoint_every, checkpoint_dir, self.optimizers)
         from replicator.checkpoint import latest
 
         fresh = not self._restored and self.global_step == 0  # a fresh Replicator resumes from checkpoint_dir

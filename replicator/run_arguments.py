@@ -12,28 +12,41 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Any
+from typing import Any, Protocol
 
-from replicator.comm.agreement import Agreement, Intent, call_site
+from replicator.asynchronous.regime import Regime
+from replicator.comm.agreement import Intent, call_site
 from replicator.errors import ReplicaMismatchError
+from replicator.job import Job
+from replicator.loop import check_run_arguments
 from replicator.sync.optimizer import SyncedOptimizers
 
-__all__ = ["agree_on_run_arguments"]
+__all__ = ["agree_on_run_arguments", "Run"]
 
 _TITLES = {"accumulation": "micro-steps per update (repl.accumulate)"}  # how an argument is named in messages
 _UNSET = -1  # None, in the numbers an agreement carries: every agreed number is otherwise >= 0 (or a hash)
 
 
-def agree_on_run_arguments(agreement: Agreement, steps: int | None, epochs: int | None,
-                           checkpoint_every: int | None, checkpoint_dir: str | os.PathLike[str] | None,
-                           optimizers: SyncedOptimizers) -> None:
-    """Raise ReplicaMismatchError on every replica unless all were given the same run() arguments.
+class Run(Protocol):
+    """What the check needs of the Replicator: the job's channel, the optimizers (their accumulation), the regime."""
 
-    One check on the step loop's channel, before anything else run() does collectively (a resume
-    from `checkpoint_dir` included): the agreement's order makes a replica that calls something
-    else instead meet it and fail there too.
+    job: Job
+    optimizers: SyncedOptimizers
+    regime: Regime
+
+
+def agree_on_run_arguments(repl: Run, steps: int | None, epochs: int | None, checkpoint_every: int | None,
+                           checkpoint_dir: str | os.PathLike[str] | None) -> None:
+    """Raise on a run() request that cannot be honoured (on this replica), or that differs between the replicas.
+
+    The agreement is made by the processes that step together (not by a parameter server, an
+    actor or the evaluator), on the step loop's channel, before anything else run() does
+    collectively (a resume from `checkpoint_dir` included): the agreement's order makes a
+    replica that calls something else instead meet it and fail there too.
     """
-    if agreement.size == 1:
+    optimizers, agreement = repl.optimizers, repl.job.agreement
+    check_run_arguments(steps, checkpoint_every, checkpoint_dir, optimizers.state.accumulation, epochs)
+    if agreement.size == 1 or repl.regime.serves:
         return
     directory = "" if checkpoint_dir is None else os.fspath(checkpoint_dir)
     asked: dict[str, Any] = {"steps": steps, "epochs": epochs, "checkpoint_every": checkpoint_every,
