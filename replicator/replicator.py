@@ -53,8 +53,7 @@ class Replicator:
             "hierarchical:XxYxZ", "fp16"/"bf16" (+"+ef" error feedback), "powersgd:R" — see
             replicator.sync.reducers.REDUCER_NAMES — or an object with `reduce(buffer, group, bucket)`.
         bucket_cap_mb: gradient bucket size; larger buckets mean fewer, bigger messages.
-        timeout_s: a collective that waits longer than this raises instead of hanging
-            (default 300 s, or REPLICATOR_TIMEOUT).
+        timeout_s: a collective that waits longer raises instead of hanging (default 300 s, or REPLICATOR_TIMEOUT).
         debug: fingerprint every collective, gradient buckets included, and leave a trail of each replica's last
             collective so a timeout names where stragglers were (default: REPLICATOR_DEBUG=1).
         nonfinite: what a NaN or infinite loss (anything step_fn returns) or gradient does: "raise" (the default)
@@ -67,8 +66,7 @@ class Replicator:
             by batch size) or batch -> count (tokens); sparse_as_dense: densify sparse gradients (Horovod's).
         stages: pipeline model parallelism (GPipe): the job's processes form replicas × stages, and
             `repl.pipeline(layers)` returns this process's stage. `virtual_stages=V`: V model chunks per stage.
-        chunks: the micro-batches each batch is split into on its way through the stages.
-        schedule: "gpipe", "1f1b", "interleaved" (needs virtual_stages >= 2) or "zero_bubble".
+        chunks: micro-batches per batch; schedule: "gpipe", "1f1b", "interleaved" (virtual_stages >= 2), "zero_bubble".
         recompute: which stages re-materialize activations: "always", "except_last" or "never" (`checkpoint=` is
             its old, deprecated name).
         mode: "sync" (default); "diloco" (sync groups of G train apart for `outer_every` steps, then `outer_optimizer`
