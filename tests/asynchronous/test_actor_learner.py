@@ -21,6 +21,8 @@ from replicator.asynchronous.nstep import NStepAdder
 from replicator.errors import ReplicatorUsageError
 from replicator.testing import ReplicaFailure, run_replicas
 
+from _numerics import assert_within, bound, training_bound
+
 SHORT = {"REPLICATOR_TIMEOUT": "30"}
 
 
@@ -121,7 +123,8 @@ def test_n_step_returns_match_hand_computed_values(prioritized_run: dict[str, An
     seen = prioritized_run["seen"]
     assert sorted(seen) == sorted(EXPECTED)
     for observation, (reward, discount, next_observation) in EXPECTED.items():
-        assert seen[observation] == pytest.approx((reward, discount, next_observation), abs=1e-6), observation
+        # Exactly: integer rewards and observations, discounts that are powers of 0.5, sums far below 2**24.
+        assert seen[observation] == (reward, discount, next_observation), observation
 
 
 def test_the_adder_releases_every_transition_once_per_episode() -> None:
@@ -145,7 +148,9 @@ def test_prioritized_sampling_matches_its_priorities(prioritized_run: dict[str, 
     assert chi_square < 26.12, (chi_square, observed, expected)  # 8 degrees of freedom, p = 0.001
     for batch_keys, weight in prioritized_run["weights"]:
         raw = (len(EXPECTED) * probability[batch_keys]) ** -BETA
-        torch.testing.assert_close(weight, (raw / raw.max()).float())
+        # float32 against float64: the priorities' normalizing sum (one term per stored item), the power, the
+        # division by the largest: len(EXPECTED) + 4 roundings of weights that are at most 1.
+        assert_within(weight, (raw / raw.max()).float(), bound(torch.float32, 1.0, len(EXPECTED) + 4), "weights")
 
 
 # -- two learners: identical, and equal to one learner on the same batches --------------------------------------
@@ -184,8 +189,11 @@ def test_two_learners_hold_identical_parameters_equal_to_one_learner_on_the_same
                                 weight=torch.ones(8), key=torch.zeros(8, dtype=torch.int64), discount=torch.ones(8),
                                 next_observation=torch.zeros(8, 2))
         regression_step(model, optimizer, batch)
-    for mine, reference in zip(first, model.parameters(), strict=True):
-        torch.testing.assert_close(mine, reference.detach(), rtol=1e-6, atol=1e-6)
+    # 2 learners x 4 rows against 8 rows at once: the gradient's sums over 8 rows through a fan-in of 3 in another
+    # order, and the update, for EQUAL_STEPS steps.
+    tolerance = training_bound(torch.float32, [p.detach() for p in model.parameters()], 8 + 3 + 3, EQUAL_STEPS)
+    for index, (mine, reference) in enumerate(zip(first, model.parameters(), strict=True)):
+        assert_within(mine, reference.detach(), tolerance, f"parameter {index}")
     # The one actor fed both shards (it is the only one), and the counters cover the job.
     assert figures["learners"] == 2 and figures["samples"] == 8 * EQUAL_STEPS
     assert figures["inserts"] >= 8 and figures["env_steps"] >= figures["inserts"]
