@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-__all__ = ["SteppedClock", "signal", "wait_for"]
+__all__ = ["SteppedClock", "count", "signal", "wait_for", "wait_for_count"]
 
 
 def signal(path: str | Path) -> None:
@@ -39,3 +39,18 @@ class SteppedClock:
     def perf_counter(self) -> float:
         self.now += 1e-6
         return self.now
+
+
+def count(directory: str | Path, pattern: str = "*") -> int:
+    """How many events matching `pattern` have happened in `directory`."""
+    return sum(1 for _ in Path(directory).glob(pattern))
+
+
+def wait_for_count(directory: str | Path, pattern: str, at_least: int, limit_s: float = 120.0) -> int:
+    """Return the count of events matching `pattern` once it reaches `at_least` (the limit: a hang guard only)."""
+    deadline = time.monotonic() + limit_s
+    while (seen := count(directory, pattern)) < at_least:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {seen} of {at_least} events {pattern} in {directory} within {limit_s:.0f} s")
+        time.sleep(0.02)
+    return seen

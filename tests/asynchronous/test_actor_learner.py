@@ -438,10 +438,10 @@ def bad_input_job(case: str) -> None:
 ])
 def test_bad_input_raises_on_every_process(run_failing_fast: Callable[..., Any], case: str, world: int,
                                            words: list[str]) -> None:
-    started = time.monotonic()
+    # Collectives would give up after 600 s, the harness after 90: waiting for a timeout instead of raising would end
+    # in run_replicas' TimeoutError, not this ReplicaFailure. No clock decides.
     with pytest.raises(ReplicaFailure) as failure:
-        run_failing_fast(bad_input_job, world, case, collective_timeout_s=60)
-    assert time.monotonic() - started < 50  # an error within seconds, not a timeout
+        run_failing_fast(bad_input_job, world, case, collective_timeout_s=600)
     assert sorted(e.rank for e in failure.value.errors) == list(range(world))
     for error in failure.value.errors:
         assert all(word in error.message for word in words), error

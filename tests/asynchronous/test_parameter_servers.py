@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +11,7 @@ import torch
 import replicator as rp
 from replicator.testing import run_replicas
 
+from _events import count, signal, wait_for_count
 from _numerics import assert_within, training_bound
 
 STEPS = 4
@@ -104,44 +105,62 @@ def constant_gradient(worker: int, step: int) -> torch.Tensor:
     return torch.full((80,), float(1 + worker * 100 + step), dtype=torch.float64)
 
 
-def bounded(max_staleness: int | None, steps: int, slow_worker: int, delay_s: float) -> dict[str, Any]:
+def bounded(max_staleness: int | None, steps: int, workers: int, slow_worker: int, events: str) -> dict[str, Any]:
+    """Workers of one replica each; the slow one starts only once the others have run as far ahead as they may.
+
+    Events, not sleeps, make it slow: every other worker says when it pushes a gradient ("push-w-s") and when that
+    step is done ("done-w-s"). Unbounded, the slow worker waits until they are all done; under a bound S = 1, until
+    3 pushes were made (one update at most fits the bound: then the others must be waiting on the servers), and it
+    counts how many steps they had finished by then.
+    """
     repl = rp.Replicator(mode="async", parameter_servers=1, max_staleness=max_staleness)
     with repl.scope():
         model = Linear()
         optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
     seen: list[int] = []
+    others_done: list[int] = []
+    fast = workers - 1
 
     def input_fn(ctx: rp.InputContext) -> list[Any]:
         return [(ctx.input_pipeline_id, step) for step in range(steps)]
 
     def step_fn(ctx: rp.ReplicaContext, inputs: Any) -> None:
-        worker, step = inputs
-        time.sleep(delay_s if worker == slow_worker else delay_s / 10)
-        c = constant_gradient(int(worker), int(step))
+        worker, step = (int(v) for v in inputs)
+        if worker == slow_worker and step == 0:
+            if max_staleness is None:
+                wait_for_count(events, "done-*", fast * steps)
+            else:
+                wait_for_count(events, "push-*", fast + 1)
+            others_done.append(count(events, "done-*"))
+        c = constant_gradient(worker, step)
         loss = (torch.cat([model.w, model.v]) * c).sum()
         optimizer.zero_grad()
         loss.backward()
+        if worker != slow_worker:
+            signal(Path(events) / f"push-{worker}-{step}")
         optimizer.step()
+        if worker != slow_worker:
+            signal(Path(events) / f"done-{worker}-{step}")
         seen.append(1)
 
     inputs = repl.prepare_input(input_fn)
-    torch.distributed.barrier(group=repl.groups.everyone)  # all start together: the slow worker is slow, not late
     for _ in repl.run(step_fn, inputs, steps=steps):
         pass
     return {"params": torch.cat([model.w, model.v]).detach().clone(), "run": repl.last_run["asynchronous"],
-            "steps": len(seen), "per_replica": repl.last_run.get("per_replica")}
+            "steps": len(seen), "per_replica": repl.last_run.get("per_replica"), "others_done": others_done}
 
 
 @pytest.mark.parametrize("max_staleness", [1, None], ids=["S=1", "unbounded"])
-def test_staleness_bound_holds_under_a_slow_worker_and_no_update_is_lost(max_staleness: int | None) -> None:
+def test_staleness_bound_holds_under_a_slow_worker_and_no_update_is_lost(max_staleness: int | None,
+                                                                        tmp_path: Path) -> None:
     steps, workers = 6, 3
-    results = run_replicas(bounded, workers + 1, max_staleness, steps, 2, 0.15)
+    results = run_replicas(bounded, workers + 1, max_staleness, steps, workers, 2, str(tmp_path))
     total = sum(constant_gradient(w, s) for w in range(workers) for s in range(steps))
     expected = -0.5 * total
     server = results[-1]["run"]
     assert server["applied_per_group"] == [steps] * workers  # every gradient applied exactly once
     for rank, result in enumerate(results):
-        torch.testing.assert_close(result["params"], results[0]["params"], rtol=0, atol=0, msg=f"rank {rank}")
+        assert torch.equal(result["params"], results[0]["params"]), f"rank {rank}"
         if max_staleness is None:  # one update per gradient (a bound merges waiting gradients into one)
             # Bit for bit, whatever the order: every gradient is an integer, halved by lr 0.5, and float64 adds
             # multiples of 0.5 below 2**52 exactly.
@@ -149,9 +168,14 @@ def test_staleness_bound_holds_under_a_slow_worker_and_no_update_is_lost(max_sta
     # The version check: the server measured each gradient's staleness as it applied it.
     staleness = server["staleness"]
     assert staleness["count"] == steps * workers
+    [others_done] = results[2]["others_done"]
     if max_staleness is None:
-        assert staleness["max"] > 1  # the fast workers really ran ahead of the slow one
+        # The fast workers ran all their steps ahead of the slow one: its first gradient is that many updates stale.
+        assert others_done == 2 * steps and staleness["max"] > 1
     else:
+        # Held back: the 2 fast workers finished 1 or 2 steps (one update, of one or both gradients) of their 12
+        # while the slow one had not pushed; then its gradient was exactly as stale as the bound allows.
+        assert others_done in (1, 2), others_done
         assert staleness["exceeded"] == 0 and staleness["max"] == max_staleness
         for result in results[:workers]:
             assert result["run"]["staleness"]["max"] <= max_staleness and result["run"]["staleness"]["exceeded"] == 0
@@ -165,10 +189,10 @@ def test_staleness_bound_holds_under_a_slow_worker_and_no_update_is_lost(max_sta
         assert figures["ranks"] == [group] and figures["updates"] == steps, figures
         assert figures["staleness"]["count"] == steps and figures["staleness"]["exceeded"] == 0, figures
         assert figures["staleness"]["bound"] == max_staleness and figures["staleness"]["max"] >= 0, figures
+        assert figures["wait_seconds"] > 0, figures  # every exchange with a server is a wait, and counted
     assert all("groups" not in result["run"] for result in results[1:])  # the main worker's report only
     communication = [row[3] + row[8] for row in per_worker]  # steady and warm-up steps' communication
-    if max_staleness is not None:  # the fast groups waited on the servers for the slow one, the slow one hardly
-        assert groups[0]["wait_seconds"] > groups[2]["wait_seconds"] and communication[0] > communication[2]
+    assert all(seconds > 0 for seconds in communication), communication
 
 
 def least_squares(max_staleness: int | None, steps: int) -> dict[str, Any]:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
 
-import replicator.pipeline.partition as partition_module
 from replicator.pipeline.partition import (
     balance_by_params,
     balance_by_time,
@@ -17,6 +18,9 @@ from replicator.pipeline.partition import (
 )
 
 from _events import SteppedClock
+
+# The module itself: replicator.pipeline's `partition` attribute is the function of that name.
+partition_module = importlib.import_module("replicator.pipeline.partition")
 
 
 class Costly(nn.Module):
