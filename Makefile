@@ -27,14 +27,16 @@ test: $(STAMP)
 # that a tolerance tuned to this CPU fails here before it fails on a user's machine. MKL picks its GEMM by
 # instruction set (MKL_ENABLE_INSTRUCTIONS caps it); on AMD it ignores that cap, and only MKL_CBWR=COMPATIBLE,
 # its portable kernels, moves it. ATEN_CPU_CAPABILITY=default turns off ATen's SIMD kernels (another reduction
-# order). One pass per word of NUMERICS_KERNELS (a comma joins the settings of one pass).
+# order). One pass per word of NUMERICS_KERNELS (a comma joins the settings of one pass); only the files
+# that mark a test are collected, to keep the lane short.
 NUMERICS_KERNELS := MKL_ENABLE_INSTRUCTIONS=SSE4_2 \
                     MKL_ENABLE_INSTRUCTIONS=AVX2 \
                     ATEN_CPU_CAPABILITY=default,MKL_CBWR=COMPATIBLE
 test-numerics: $(STAMP)
 	@for kernels in $(NUMERICS_KERNELS); do \
 	    echo "numerics lane: $$kernels"; \
-	    env $$(echo $$kernels | tr , ' ') $(BIN)/python -m pytest -q -m numerics -p no:cacheprovider tests || exit 1; \
+	    env $$(echo $$kernels | tr , ' ') $(BIN)/python -m pytest -q -m numerics -p no:cacheprovider \
+	        $$(grep -rl --include='test_*.py' 'pytest.mark.numerics' tests) || exit 1; \
 	done
 
 # The documentation site, from docs/ into site/ (warnings are errors); `$(BIN)/mkdocs serve` to browse it.

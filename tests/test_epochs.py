@@ -156,6 +156,7 @@ def _plain_loader_training(batch: int, shuffle: bool, epochs: int) -> dict[str, 
     return {"seen": seen, "params": [p.detach().clone() for p in model.parameters()], "said": said.getvalue()}
 
 
+@pytest.mark.numerics  # batches of 4 against 8
 def test_a_plain_dataloader_is_split_across_replicas_and_trains_as_one_process_would() -> None:
     two = run_replicas(_plain_loader_training, 2, BATCH, False, 1, timeout_s=120)
     one = _plain_loader_training(2 * BATCH, False, 1)

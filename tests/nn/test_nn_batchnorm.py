@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -73,6 +74,7 @@ def sync_batchnorm_model_trained() -> dict[str, Any]:
     return {"converted": converted, "trained": _state(model)}
 
 
+@pytest.mark.numerics  # float64 GEMMs and batch statistics on shards
 def test_a_model_holding_sync_batchnorm_converts_and_trains_as_one_process() -> None:
     results = run_replicas(sync_batchnorm_model_trained, REPLICAS)
     model = _model()

@@ -47,6 +47,7 @@ def replica_stage(schedule: str) -> tuple[int, list[torch.Tensor], list[float]]:
     return repl.stage_id, [p.detach().clone() for p in pipe.parameters()], losses
 
 
+@pytest.mark.numerics  # micro-batches of 4 against 16 rows
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_two_replicas_by_two_stages_match_one_process(schedule: str) -> None:
     model = torch.nn.Sequential(*layers())

@@ -124,6 +124,7 @@ def _step_magnitudes() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return [p.detach().abs() for p in model.parameters()], [a + b for a, b in zip(*shares)]
 
 
+@pytest.mark.numerics  # shards of 4 rows against 8, and fp16 on the wire
 def test_a_one_node_recommendation_trains_in_two_processes() -> None:
     # Two GPUs in one node: every reducer the planner can name there, the recommended one first.
     node = Cluster.two_level(2, presets.NVLINK1_GPU_PAIR.value, presets.INTRA_NODE_LATENCY,

@@ -85,6 +85,7 @@ def create_graph_replicated() -> list[torch.Tensor]:
 
 
 # torch's own advice about create_graph=True (a reference cycle through .grad): the scenario is DDP's test's.
+@pytest.mark.numerics  # double backward on shards against the whole batch
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_a_gradient_penalty_through_create_graph_matches_one_process() -> None:
     results = run_replicas(create_graph_replicated, 2, timeout_s=90)

@@ -130,6 +130,7 @@ def assert_same_training(case: str, got: dict[str, Any], want: dict[str, Any], r
     assert got["lr"] == want["lr"], f"{case}: the scheduler stepped {got['lr']} vs {want['lr']}"
 
 
+@pytest.mark.numerics  # fp16/bf16 GEMMs on 8 rows against 16
 def test_bf16_and_fp16_replicas_train_as_one_process_with_the_same_autocast_and_grad_scaler() -> None:
     results = run_replicas(all_cases, 2, timeout_s=180)
     expected = {"fp16": reference("fp16"), "bf16": reference("bf16")}
@@ -210,6 +211,7 @@ def pipeline_stage() -> dict[str, Any]:
     return {schedule: pipeline_run(schedule) for schedule in ("1f1b", "zero_bubble")}
 
 
+@pytest.mark.numerics  # fp16 GEMMs on micro-batches of 8 against 16
 def test_fp16_pipeline_stages_train_as_one_process_with_grad_scaler() -> None:
     model = torch.nn.Sequential(*pipeline_layers())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

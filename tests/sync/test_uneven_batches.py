@@ -107,6 +107,7 @@ def expected_cases(replicas: int) -> dict[str, tuple[list[torch.Tensor], list[fl
     return expected
 
 
+@pytest.mark.numerics  # uneven shards against the concatenated batch
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_weighted_uneven_batches_match_one_process_on_the_concatenated_batch(replicas: int) -> None:
     results = run_replicas(all_cases, replicas, timeout_s=180)
