@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-__all__ = ["SteppedClock", "count", "signal", "wait_for", "wait_for_count"]
+__all__ = ["SteppedClock", "announce", "count", "wait_for", "wait_for_count"]
 
 
-def signal(path: str | Path) -> None:
+def announce(path: str | Path) -> None:
     """Say that the event `path` names has happened (to every process that waits for it, now or later)."""
     Path(path).touch()
 

@@ -12,7 +12,7 @@ import torch
 import replicator as rp
 from replicator.testing import ReplicaFailure, run_replicas
 
-from _events import signal, wait_for
+from _events import announce, wait_for
 
 # Errors must arrive within seconds; a hang would hit this.
 
@@ -161,7 +161,7 @@ def one_replica_stalls(gave_up: str) -> None:
             pass
     finally:
         if repl.replica_id == 0:
-            signal(gave_up)
+            announce(gave_up)
 
 
 def test_a_stalled_replica_is_named_instead_of_hanging(tmp_path: Path) -> None:

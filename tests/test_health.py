@@ -14,7 +14,7 @@ import replicator as rp
 from replicator import health
 from replicator.testing import ReplicaFailure, run_replicas
 
-from _events import signal, wait_for
+from _events import announce, wait_for
 from _numerics import assert_within, training_bound
 
 STEPS = 4
@@ -168,7 +168,7 @@ def _stalls_after_a_collective(gave_up: str) -> None:
             pass
     finally:
         if repl.replica_id == 0:
-            signal(gave_up)
+            announce(gave_up)
 
 
 def test_debug_mode_names_where_the_straggler_last_was(tmp_path: Path) -> None:

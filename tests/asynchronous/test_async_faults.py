@@ -17,6 +17,8 @@ import replicator as rp
 from replicator.errors import ReplicatorUsageError
 from replicator.testing import ReplicaFailure
 
+from _events import announce, wait_for
+
 
 @pytest.mark.parametrize(("kwargs", "words"), [
     ({"parameter_servers": 1}, "leaves no worker"),
@@ -99,17 +101,22 @@ HANG_TIMEOUT_S = 5.0  # the replicas' REPLICATOR_TIMEOUT in the hang tests
 
 
 def hung_group(directory: str) -> dict[str, Any]:
-    """Group 1 hangs in step 2 (its heartbeat thread beating on) for longer than REPLICATOR_TIMEOUT, then tries
-    to go on; group 0 trains until group 1 has had its answer, so the servers are still serving when it wakes."""
+    """Group 1 hangs in step 2 (its heartbeat thread beating on) until the servers have dropped it, then tries to
+    go on; group 0 trains until group 1 has had its answer, so the servers are still serving when it wakes.
+
+    Events, not a sleep past the timeout: group 0 hears from the servers' replies which groups they dropped, and
+    says so ("dropped"); a loaded machine only makes group 1 hang longer."""
     repl = rp.Replicator(mode="async", parameter_servers=1)
     with repl.scope():
         model = torch.nn.Linear(4, 1)
         optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
-    woke = Path(directory) / "woke"
+    woke, dropped = Path(directory) / "woke", Path(directory) / "dropped"
 
     def step_fn(ctx: rp.ReplicaContext, x: torch.Tensor) -> None:
         if repl.topology.rank == 1 and ctx.step == 2:
-            time.sleep(HANG_TIMEOUT_S + 4)
+            wait_for(dropped)
+        if repl.topology.rank == 0 and 1 in repl.regime._exchanging().departed:  # what the replies told group 0
+            announce(dropped)
         time.sleep(0.05)
         optimizer.zero_grad()
         model(x).sum().backward()

@@ -11,7 +11,7 @@ import torch
 import replicator as rp
 from replicator.testing import run_replicas
 
-from _events import count, signal, wait_for_count
+from _events import announce, count, wait_for_count
 from _numerics import assert_within, training_bound
 
 STEPS = 4
@@ -137,10 +137,10 @@ def bounded(max_staleness: int | None, steps: int, workers: int, slow_worker: in
         optimizer.zero_grad()
         loss.backward()
         if worker != slow_worker:
-            signal(Path(events) / f"push-{worker}-{step}")
+            announce(Path(events) / f"push-{worker}-{step}")
         optimizer.step()
         if worker != slow_worker:
-            signal(Path(events) / f"done-{worker}-{step}")
+            announce(Path(events) / f"done-{worker}-{step}")
         seen.append(1)
 
     inputs = repl.prepare_input(input_fn)
