@@ -15,7 +15,7 @@ import torch
 import replicator as rp
 from replicator.testing import run_replicas
 
-from _numerics import assert_within, bound
+from _numerics import assert_within, bound, gamma
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PER_REPLICA = 4
@@ -91,7 +91,14 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_two_replicas_train_generator_and_discriminator_as_one_process_with_the_whole_batch() -> None:
     (one,) = run_replicas(train_both_precisions, 1)
     two = run_replicas(train_both_precisions, 2)
-    for dtype, tolerance in (("torch.float64", 1e-10), ("torch.float32", 1e-5)):
+    # Relative to each compared tensor's largest element: one process and the 2 replicas add the same terms in
+    # other orders and through other kernels. The longest sum in an update is a convolution's weight gradient over
+    # the global batch's 8 images x 8 x 8 positions, after a fan-in of 3 x 3 x 16, and the norms' statistics over
+    # the batch; STEPS x (N_DIS + 1) updates carry it on (7.1e-4 in float32, 1.3e-12 in float64; seen here: 2e-6
+    # and 2e-15).
+    length = 2 * PER_REPLICA * 8 * 8 + 3 * 3 * 16 + 2 * PER_REPLICA
+    for dtype, tolerance in ((name, 2 * gamma(length, getattr(torch, name.split(".")[1])) * STEPS * (N_DIS + 1))
+                             for name in ("torch.float64", "torch.float32")):
         expected = one[dtype]
         names = set(expected["state"])
         # Conditional batch norm's running statistics and embeddings, spectral norm's buffers: all compared.
