@@ -87,6 +87,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+@pytest.mark.numerics  # convolutions and norms over 4 images against 8
 @pytest.mark.timeout(240)
 def test_two_replicas_train_generator_and_discriminator_as_one_process_with_the_whole_batch() -> None:
     (one,) = run_replicas(train_both_precisions, 1)
