@@ -9,9 +9,13 @@ import torch.nn.functional as F
 import replicator as rp
 from replicator.testing import run_replicas
 
+from _numerics import assert_within, bound, training_bound
+
 GLOBAL_BATCH = 16
 STEPS = 3
-ATOL = 1e-5
+# The longest sum behind one gradient element in a step: the batch's 16 samples (in 2 or 4 shards, or micro-steps,
+# on the replicas), then the widest fan-in of the backward (16), plus the optimizer's few roundings.
+LENGTH = GLOBAL_BATCH + 16 + 4
 CASES = ["sgd", "adam", "accumulate", "unused", "frozen", "batchnorm", "clip_schedule", "torch_clip", "gan",
          "two_backwards", "accumulate_two_backwards", "reentrant"]
 
@@ -194,18 +198,18 @@ def all_cases() -> dict[str, list[torch.Tensor]]:
     return {case: replicated(case) for case in CASES}
 
 
+@pytest.mark.numerics  # shards of 8 or 4 rows against 16: other GEMM kernels
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_replicas_match_single_process(replicas: int) -> None:
     results = run_replicas(all_cases, replicas, timeout_s=240)
     for case in CASES:
         expected = reference(case)
+        tolerance = training_bound(torch.float32, expected, LENGTH, STEPS)
         for replica, result in enumerate(results):
             got = result[case]
             assert len(got) == len(expected)
             for index, (g, e) in enumerate(zip(got, expected)):
-                assert torch.allclose(g, e, atol=ATOL, rtol=0), (
-                    f"{case}: replica {replica} tensor {index} differs by {(g - e).abs().max():.3g}"
-                )
+                assert_within(g, e, tolerance, f"{case}: replica {replica} tensor {index}")
 
 
 def test_training_changes_parameters() -> None:
@@ -255,13 +259,13 @@ def test_plain_batchnorm_statistics_are_averaged_over_replicas() -> None:
         per_replica = [r[key] for r in results]
         assert not torch.allclose(per_replica[0][0], per_replica[1][0]), "the shards must give different statistics"
         for index in range(2):  # running mean, running variance
-            expected = torch.stack([p[index] for p in per_replica]).mean(0)
+            stacked = torch.stack([p[index] for p in per_replica])
+            expected = stacked.mean(0)
+            # The library sums the 3 replicas' buffers in its own order and divides: 3 terms and a division.
+            tolerance = bound(torch.float32, stacked.abs().sum(0) / 3, 3 + 1)
             for replica, result in enumerate(results):
                 got = result[drifted_key][index]
-                assert torch.allclose(got, expected, atol=1e-6, rtol=0), (
-                    f"{drifted_key}: replica {replica} buffer {index} is off the replicas' mean by "
-                    f"{(got - expected).abs().max():.3g}"
-                )
+                assert_within(got, expected, tolerance, f"{drifted_key}: replica {replica} buffer {index}")
                 assert torch.equal(got, results[0][drifted_key][index]), "every replica must hold the same bits"
     assert all(int(r["after_run"][2]) == STEPS for r in results), "num_batches_tracked stays a count, not a mean"
     for result in results:

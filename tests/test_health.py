@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +13,9 @@ import torch.nn.functional as F
 import replicator as rp
 from replicator import health
 from replicator.testing import ReplicaFailure, run_replicas
+
+from _events import announce, wait_for
+from _numerics import assert_within, training_bound
 
 STEPS = 4
 BAD_STEP = 2
@@ -111,9 +114,11 @@ def test_skip_drops_the_update_on_every_replica_like_one_process_would(run_faili
     expected = _single_process_skipping(BAD_STEP)
     for result in results:
         assert result["skipped"] == [BAD_STEP]
-        for got, want in zip(result["params"], expected):
+        # Each update's gradient sums the 8 rows of a batch (4 per replica) through a fan-in of 5, over STEPS updates.
+        tolerance = training_bound(torch.float32, expected, 8 + 5 + 3, STEPS)
+        for index, (got, want) in enumerate(zip(result["params"], expected, strict=True)):
             assert torch.isfinite(got).all()
-            assert torch.allclose(got, want, atol=1e-6), (got, want)
+            assert_within(got, want, tolerance, f"parameter {index}")
 
 
 def test_one_replica_raises_too() -> None:
@@ -143,7 +148,7 @@ def test_replicas_with_different_parameters_are_refused(run_failing_fast: Callab
         assert "replica 1 differs" not in error.message
 
 
-def _stalls_after_a_collective() -> None:
+def _stalls_after_a_collective(gave_up: str) -> None:
     repl = rp.Replicator()  # debug mode comes from REPLICATOR_DEBUG=1
     with repl.scope():
         model = torch.nn.Linear(3, 1)
@@ -153,19 +158,23 @@ def _stalls_after_a_collective() -> None:
         loss = model(batch).pow(2).mean()
         ctx.all_mean(loss.detach())
         if ctx.replica_id == 1 and ctx.step == 1:
-            time.sleep(15)  # far past the 3 s timeout
+            wait_for(gave_up)  # stuck until replica 0 has given up on it, however long the timeout took
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
 
-    for _ in repl.run(step_fn, [torch.ones(2, 3)] * 3, progress=False):
-        pass
+    try:
+        for _ in repl.run(step_fn, [torch.ones(2, 3)] * 3, progress=False):
+            pass
+    finally:
+        if repl.replica_id == 0:
+            announce(gave_up)
 
 
-def test_debug_mode_names_where_the_straggler_last_was() -> None:
-    started = time.monotonic()
+def test_debug_mode_names_where_the_straggler_last_was(tmp_path: Path) -> None:
+    # A hang would end in run_replicas' TimeoutError, not in this ReplicaFailure: no clock decides.
     with pytest.raises(ReplicaFailure) as caught:
-        run_replicas(_stalls_after_a_collective, 2, timeout_s=60,
+        run_replicas(_stalls_after_a_collective, 2, str(tmp_path / "gave up"), timeout_s=120,
                      env={"REPLICATOR_TIMEOUT": "3", "REPLICATOR_DEBUG": "1"})
     first = next(e for e in caught.value.errors if e.rank == 0)
     assert "rank(s) [1] never arrived" in first.message, first.message
@@ -173,4 +182,3 @@ def test_debug_mode_names_where_the_straggler_last_was() -> None:
     assert "test_health.py" in first.message and "in step_fn" in first.message, first.message
     assert "REPLICATOR_DEBUG=1 fingerprints" not in first.message  # it is set: say what it shows instead
     assert {e.rank for e in caught.value.errors} == {0, 1}  # the straggler fails too, once it comes back
-    assert time.monotonic() - started < 50

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,8 @@ import torch
 import replicator as rp
 from replicator.telemetry import PHASE_VALUES, Progress, StepTimes, breakdown_table, scalar_of
 from replicator.testing import run_replicas
+
+from _events import SteppedClock
 
 
 def test_progress_bar_draws_from_the_training_thread_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,11 +72,16 @@ def test_step_times_keep_the_warm_up_apart() -> None:
 
 
 def slow_first_step() -> dict:
+    # The step loop's clock, injected: the first step "takes" 10 s and the others nothing, on any machine and load.
+    import replicator.loop
+
+    clock = SteppedClock()
+    replicator.loop.time = clock  # type: ignore[assignment]  # the loop reads only time.perf_counter
     repl = rp.Replicator()
 
     def step_fn(ctx: rp.ReplicaContext, batch: torch.Tensor) -> torch.Tensor:
         if ctx.step == 0:
-            time.sleep(1.0)  # start-up: compilation, first allocations, a loader's workers
+            clock.advance(10.0)  # start-up: compilation, first allocations, a loader's workers
         return ctx.all_mean(batch.sum())
 
     for _ in repl.run(step_fn, [torch.ones(2, 3)] * 4, warmup_steps=1):
@@ -90,9 +96,10 @@ def test_the_breakdown_reports_warm_up_steps_apart_from_the_steady_ones() -> Non
             steady_steps, steady_seconds = row[0], row[1]
             warm_steps, warm_seconds = row[PHASE_VALUES], row[PHASE_VALUES + 1]
             assert (steady_steps, warm_steps) == (3, 1)
-            assert warm_seconds >= 1.0
-            # Averaged in, the slow first step alone would make every step cost over 250 ms.
-            assert steady_seconds / steady_steps < 0.25
+            assert warm_seconds >= 10.0
+            # Averaged in, the slow first step alone would make every step cost 2.5 s; apart, each costs the
+            # clock's few readings (a microsecond each).
+            assert steady_seconds / steady_steps < 1e-3
 
 
 PIPED = textwrap.dedent(

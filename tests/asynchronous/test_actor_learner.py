@@ -21,6 +21,8 @@ from replicator.asynchronous.nstep import NStepAdder
 from replicator.errors import ReplicatorUsageError
 from replicator.testing import ReplicaFailure, run_replicas
 
+from _numerics import assert_within, bound, training_bound
+
 SHORT = {"REPLICATOR_TIMEOUT": "30"}
 
 
@@ -121,7 +123,8 @@ def test_n_step_returns_match_hand_computed_values(prioritized_run: dict[str, An
     seen = prioritized_run["seen"]
     assert sorted(seen) == sorted(EXPECTED)
     for observation, (reward, discount, next_observation) in EXPECTED.items():
-        assert seen[observation] == pytest.approx((reward, discount, next_observation), abs=1e-6), observation
+        # Exactly: integer rewards and observations, discounts that are powers of 0.5, sums far below 2**24.
+        assert seen[observation] == (reward, discount, next_observation), observation
 
 
 def test_the_adder_releases_every_transition_once_per_episode() -> None:
@@ -145,7 +148,9 @@ def test_prioritized_sampling_matches_its_priorities(prioritized_run: dict[str, 
     assert chi_square < 26.12, (chi_square, observed, expected)  # 8 degrees of freedom, p = 0.001
     for batch_keys, weight in prioritized_run["weights"]:
         raw = (len(EXPECTED) * probability[batch_keys]) ** -BETA
-        torch.testing.assert_close(weight, (raw / raw.max()).float())
+        # float32 against float64: the priorities' normalizing sum (one term per stored item), the power, the
+        # division by the largest: len(EXPECTED) + 4 roundings of weights that are at most 1.
+        assert_within(weight, (raw / raw.max()).float(), bound(torch.float32, 1.0, len(EXPECTED) + 4), "weights")
 
 
 # -- two learners: identical, and equal to one learner on the same batches --------------------------------------
@@ -184,8 +189,11 @@ def test_two_learners_hold_identical_parameters_equal_to_one_learner_on_the_same
                                 weight=torch.ones(8), key=torch.zeros(8, dtype=torch.int64), discount=torch.ones(8),
                                 next_observation=torch.zeros(8, 2))
         regression_step(model, optimizer, batch)
-    for mine, reference in zip(first, model.parameters(), strict=True):
-        torch.testing.assert_close(mine, reference.detach(), rtol=1e-6, atol=1e-6)
+    # 2 learners x 4 rows against 8 rows at once: the gradient's sums over 8 rows through a fan-in of 3 in another
+    # order, and the update, for EQUAL_STEPS steps.
+    tolerance = training_bound(torch.float32, [p.detach() for p in model.parameters()], 8 + 3 + 3, EQUAL_STEPS)
+    for index, (mine, reference) in enumerate(zip(first, model.parameters(), strict=True)):
+        assert_within(mine, reference.detach(), tolerance, f"parameter {index}")
     # The one actor fed both shards (it is the only one), and the counters cover the job.
     assert figures["learners"] == 2 and figures["samples"] == 8 * EQUAL_STEPS
     assert figures["inserts"] >= 8 and figures["env_steps"] >= figures["inserts"]
@@ -216,6 +224,7 @@ def rate_limited_job() -> tuple[str, dict[str, Any]]:
 def test_the_rate_limiter_keeps_samples_per_insert_within_tolerance_with_a_slow_and_a_fast_actor() -> None:
     (_, learner), (_, slow), (_, fast) = run_replicas(rate_limited_job, 3, timeout_s=120, env=SHORT)
     assert learner["samples"] == STEPS * 8
+    # rel=0.1 is the limiter's own band (rp.Replay(..., tolerance=0.1)), not a rounding bound: counts, no kernels.
     assert learner["samples_per_insert"] == pytest.approx(4.0, rel=0.1), learner
     assert learner["target_samples_per_insert"] == 4.0
     # The fast actor ran ahead and was held back for most of the run; the slow one much less.
@@ -430,10 +439,10 @@ def bad_input_job(case: str) -> None:
 ])
 def test_bad_input_raises_on_every_process(run_failing_fast: Callable[..., Any], case: str, world: int,
                                            words: list[str]) -> None:
-    started = time.monotonic()
+    # Collectives would give up after 600 s, the harness after 90: waiting for a timeout instead of raising would end
+    # in run_replicas' TimeoutError, not this ReplicaFailure. No clock decides.
     with pytest.raises(ReplicaFailure) as failure:
-        run_failing_fast(bad_input_job, world, case, collective_timeout_s=60)
-    assert time.monotonic() - started < 50  # an error within seconds, not a timeout
+        run_failing_fast(bad_input_job, world, case, collective_timeout_s=600)
     assert sorted(e.rank for e in failure.value.errors) == list(range(world))
     for error in failure.value.errors:
         assert all(word in error.message for word in words), error

@@ -15,6 +15,8 @@ import replicator as rp
 from replicator import checkpoint
 from replicator.testing import ReplicaFailure, run_replicas
 
+from _numerics import assert_within, training_bound
+
 STEPS, EVERY, KILL = 8, 4, 6  # checkpoints at steps 4 and 8; the killed run dies in step 6
 ENV = {"REPLICATOR_TIMEOUT": "15"}  # servers drop the killed groups within seconds
 
@@ -95,9 +97,12 @@ def test_an_asynchronous_checkpoint_restores_into_other_numbers_of_servers_and_w
         F.mse_loss(model(x), y).backward()
         optimizer.step()
         scheduler.step()
+    # The worker's 4 rows and this process's are the same, but the server applies Adam to a flat shard: the 3
+    # updates' sums over 4 rows through fan-ins of 8, and Adam's few roundings, may round another way.
+    tolerance = training_bound(torch.float32, [p.detach() for p in model.parameters()], 4 + 8 + 6, 3)
     for rank, result in enumerate(resumed):
-        for got, want in zip(result["params"], model.parameters(), strict=True):
-            torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6, msg=f"rank {rank}")
+        for index, (got, want) in enumerate(zip(result["params"], model.parameters(), strict=True)):
+            assert_within(got, want.detach(), tolerance, f"rank {rank} parameter {index}")
 
 
 def diloco_training(directory: str | None, steps: int, kill_at: int, every: int) -> dict[str, Any]:

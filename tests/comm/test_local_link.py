@@ -51,8 +51,10 @@ def test_messages_reach_the_right_exchange_whichever_thread_collects() -> None:
             assert result["collected"][n] == expected, f"rank {rank}, exchange {n}: {result['collected'][n]}"
 
 
-def _peer_leaves() -> tuple[list[bytes], str, float] | None:
-    link = LocalLink.connect(_group(), timeout_s=30)
+def _peer_leaves() -> tuple[list[bytes], str] | None:
+    # The link would wait 600 s for a message, the harness 120 s for the run: a peer that waited for the timeout
+    # instead of noticing the departure ends in run_replicas' TimeoutError. No clock in the verdict.
+    link = LocalLink.connect(_group(), timeout_s=600)
     assert link is not None
     link.barrier()
     first = link.post(f"{dist.get_rank()}".encode())
@@ -68,20 +70,18 @@ def _peer_leaves() -> tuple[list[bytes], str, float] | None:
     time.sleep(0.5)
     link.post(b"to nobody")  # rank 2 is gone: noted, not raised
     completed = link.collect(first)  # rank 2 sent its part before it left
-    started = time.monotonic()
     try:
         link.collect(second)
     except LinkError as error:
-        return completed, str(error), time.monotonic() - started
+        return completed, str(error)
     raise AssertionError("an exchange completed without one of its members")
 
 
 def test_a_peer_that_leaves_completes_what_it_sent_and_is_reported_at_once() -> None:
-    results = run_replicas(_peer_leaves, 3, timeout_s=60)
-    for rank, (completed, message, seconds) in enumerate(results[:2]):
+    results = run_replicas(_peer_leaves, 3, timeout_s=120)
+    for rank, (completed, message) in enumerate(results[:2]):
         assert completed == [b"" if peer == rank else f"{peer}".encode() for peer in range(3)], completed
         assert "rank 2 closed its end" in message, message
-        assert seconds < 10, f"reported after {seconds:.1f} s, as if it had waited for the 30 s timeout"
 
 
 def test_messages_sent_before_a_reset_are_still_delivered() -> None:
@@ -128,9 +128,10 @@ def test_connections_from_other_processes_are_closed_unread() -> None:
     impostor = subprocess.Popen([sys.executable, "-c", _CONNECT_AND_WAIT, name[1:]], stdout=subprocess.PIPE, text=True)
     try:
         assert impostor.stdout is not None and impostor.stdout.readline().strip() == "connected"
-        started = time.monotonic()
         assert not _accept(listener, {}, {os.getpid() + 10**6: 1}, within_s=0.5)  # the member never comes
-        assert time.monotonic() - started < 5
+        # ... and _accept gave up while the impostor still held its connection open (it waits 60 s): it did not
+        # wait on the impostor's silence. An order of events, not a duration.
+        assert impostor.poll() is None
         member = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         member.connect(name)
         peers: dict[int, socket.socket] = {}

@@ -6,7 +6,6 @@ import contextlib
 import inspect
 import io
 import os
-import time
 from typing import Any
 
 import pytest
@@ -17,9 +16,11 @@ import replicator as rp
 from replicator.testing import ReplicaFailure, run_replicas
 from replicator.testing.processes import RankError
 
-# A hang would wait this long; every test below must fail far sooner.
-COLLECTIVE_TIMEOUT_S = 120
-FAST_S = 75  # process start-up on a loaded 2-core machine included
+# A hang would wait this long for its collectives, longer than the harness waits for the whole run (HARNESS_S): a
+# library that waited for its timeout ends in run_replicas' TimeoutError, not the ReplicaFailure these tests
+# expect, whatever the machine's load. No clock in the verdict: the harness's limit is only a hang guard.
+COLLECTIVE_TIMEOUT_S = 900
+HARNESS_S = 240
 TRANSPORTS = [pytest.param("1", id="local-link"), pytest.param("0", id="gloo")]
 
 
@@ -31,11 +32,9 @@ def line_of(marker: str) -> str:
 
 
 def fail(fn: Any, replicas: int, link: str, *args: Any) -> list[RankError]:
-    started = time.monotonic()
     with pytest.raises(ReplicaFailure) as caught:
-        run_replicas(fn, replicas, *args, timeout_s=COLLECTIVE_TIMEOUT_S + 60,
+        run_replicas(fn, replicas, *args, timeout_s=HARNESS_S,
                      env={"REPLICATOR_TIMEOUT": str(COLLECTIVE_TIMEOUT_S), "REPLICATOR_LOCAL_LINK": link})
-    assert time.monotonic() - started < FAST_S, "the replicas waited for their timeout instead of failing at once"
     return caught.value.errors
 
 

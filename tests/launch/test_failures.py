@@ -120,10 +120,10 @@ def test_a_replica_failing_under_plain_torchrun_leaves_at_once(tmp_path: Path) -
     script = tmp_path / "train.py"
     script.write_text(PLAIN_TORCHRUN_SCRIPT)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
-    env = {"REPLICATOR_PROGRESS": "0", "REPLICATOR_DEVICE": "cpu", "REPLICATOR_TIMEOUT": "60",
+    # Collectives would give up after 600 s, finish() after 120: a job that waited for the timeout to end fails as
+    # "the launcher hung", whatever the machine's load. No clock decides.
+    env = {"REPLICATOR_PROGRESS": "0", "REPLICATOR_DEVICE": "cpu", "REPLICATOR_TIMEOUT": "600",
            "REPLICATOR_THREADS": "1", "PATH": "/usr/bin:/bin", "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]}
-    started = time.monotonic()
     torchrun = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     code, out, err = finish(torchrun)
     assert code != 0 and "replica 1 fails while replica 0 computes" in err, out + err
-    assert time.monotonic() - started < 40, f"the job took until the timeout to end:\n{out}\n{err}"

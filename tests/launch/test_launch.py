@@ -8,6 +8,9 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 SCRIPT = textwrap.dedent(
     """
@@ -51,20 +54,26 @@ def launch(
                           "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"], **(env or {})})
 
 
-def test_launch_runs_replicas_that_agree(tmp_path: Path) -> None:
-    result = launch(tmp_path)
+@pytest.fixture(scope="module")
+def plain_launch(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One plain 2-replica launch, whose outputs several tests read: each launch costs seconds of start-up."""
+    directory = tmp_path_factory.mktemp("plain-launch")
+    result = launch(directory)
     assert result.returncode == 0, result.stdout + result.stderr
-    outputs = [json.loads((tmp_path / f"out{r}.json").read_text()) for r in range(2)]
+    return [json.loads((directory / f"out{r}.json").read_text()) for r in range(2)]
+
+
+def test_launch_runs_replicas_that_agree(plain_launch: list[dict[str, Any]]) -> None:
+    outputs = plain_launch
     assert [o["replicas"] for o in outputs] == [2, 2]
     assert outputs[0]["weight"] == outputs[1]["weight"]
     assert outputs[0]["losses"] == outputs[1]["losses"]
     assert all(o["threads"] == max(1, (os.cpu_count() or 1) // 2) for o in outputs), "cores shared evenly"
 
 
-def test_replicas_keep_their_heap_unless_the_user_set_the_allocator(tmp_path: Path) -> None:
-    assert launch(tmp_path).returncode == 0
-    kept = [json.loads((tmp_path / f"out{r}.json").read_text())["heap"] for r in range(2)]
-    assert kept == [[str(1 << 30), str(1 << 30)]] * 2
+def test_replicas_keep_their_heap_unless_the_user_set_the_allocator(plain_launch: list[dict[str, Any]],
+                                                                    tmp_path: Path) -> None:
+    assert [output["heap"] for output in plain_launch] == [[str(1 << 30), str(1 << 30)]] * 2
     result = launch(tmp_path, env={"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"})
     assert result.returncode == 0, result.stdout + result.stderr
     assert [json.loads((tmp_path / f"out{r}.json").read_text())["heap"] for r in range(2)] == [[None, None]] * 2

@@ -14,6 +14,8 @@ from torch.nn.utils.parametrizations import spectral_norm
 import replicator as rp
 from replicator.testing import ReplicaFailure, run_replicas
 
+from _numerics import assert_within, training_bound
+
 REPLICAS = 2
 GLOBAL_BATCH = 8
 STEPS = 3
@@ -71,10 +73,13 @@ def test_power_iteration_buffers_stay_equal_across_replicas_and_to_one_process()
         optimizer.step()
     expected = _state(critic)
     assert {"0.parametrizations.weight.0._u", "2.weight_v"} <= set(expected)
+    # float64 training on the batch cut in shards: sums over GLOBAL_BATCH rows through fan-ins of 8, plus the power
+    # iteration's norms (8 terms), STEPS steps.
+    tolerance = training_bound(torch.float64, list(expected.values()), GLOBAL_BATCH + 8 + 8 + 4, STEPS)
     for got in results:
         assert got.keys() == expected.keys()
         for name, tensor in expected.items():
-            torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-12, msg=name)
+            assert_within(got[name], tensor, tolerance, name)
     for name in expected:  # bit for bit between replicas: never averaged, only ever computed alike
         assert torch.equal(results[0][name], results[1][name]), name
 

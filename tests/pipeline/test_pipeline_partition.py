@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import importlib
 
 import pytest
 import torch
@@ -17,17 +17,22 @@ from replicator.pipeline.partition import (
     solve_balance,
 )
 
+from _events import SteppedClock
 
-class Sleep(nn.Module):
-    """A layer whose cost is a fixed wait: timing it is robust on a busy machine."""
+# The module itself: replicator.pipeline's `partition` attribute is the function of that name.
+partition_module = importlib.import_module("replicator.pipeline.partition")
 
-    def __init__(self, seconds: float) -> None:
+
+class Costly(nn.Module):
+    """A layer whose cost is what it advances the profiler's injected clock by: no sleep, no load in the verdict."""
+
+    def __init__(self, clock: SteppedClock, seconds: float) -> None:
         super().__init__()
-        self.seconds = seconds
+        self.clock, self.seconds = clock, seconds
         self.scale = nn.Parameter(torch.ones(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.seconds)
+        self.clock.advance(self.seconds)
         return x * self.scale
 
 
@@ -63,10 +68,12 @@ def test_partition_by_params() -> None:
     assert sum(p.numel() for p in partition(layers, 2, "params")[1].parameters()) >= 10100
 
 
-def test_partition_by_time_isolates_slow_layers() -> None:
-    layers = [Sleep(0.03), Sleep(0.0), Sleep(0.0), Sleep(0.03), Sleep(0.0)]
+def test_partition_by_time_isolates_slow_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = SteppedClock()
+    monkeypatch.setattr(partition_module, "time", clock)  # the profiler reads only time.perf_counter
+    layers = [Costly(clock, 0.03), Costly(clock, 0.0), Costly(clock, 0.0), Costly(clock, 0.03), Costly(clock, 0.0)]
     times = profile_times(layers, torch.randn(4, 3), repeat=1)
-    assert times[0] > 0.02 and times[3] > 0.02 and times[1] < 0.02
+    assert times[0] >= 0.03 and times[3] >= 0.03 and times[1] < 1e-3
     counts = balance_by_time(layers, 2, torch.randn(4, 3), repeat=1)
     assert counts in ([1, 4], [2, 3], [3, 2])  # the two slow layers end up in different stages
 

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 import replicator as rp
 from replicator.testing import run_replicas
 
+from _numerics import assert_within, training_bound
+
 STEPS = 3
 
 
@@ -52,5 +54,7 @@ def test_weighted_gradients_beside_pipeline_stages_equal_one_process_training() 
     # Before: the step loop counted each replica's batch once per stage, so every gradient was halved.
     for result in run_replicas(weighted_pipeline, 4, timeout_s=150):  # 2 replicas x 2 stages
         expected = list(model[result["stage"]].parameters())
-        for got, want in zip(result["params"], expected, strict=True):
-            torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
+        # 16 rows (2 replicas x 8) through fan-ins of 4, STEPS steps: the gradients' sums in another order.
+        tolerance = training_bound(torch.float32, [p.detach() for p in model.parameters()], 16 + 4 + 3, STEPS)
+        for index, (got, want) in enumerate(zip(result["params"], expected, strict=True)):
+            assert_within(got, want.detach(), tolerance, f"stage {result['stage']} parameter {index}")

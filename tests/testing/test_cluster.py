@@ -4,6 +4,7 @@ is real, cleanup is total."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from typing import Any
@@ -17,6 +18,8 @@ from replicator.sync.reducers import make_reducer
 from replicator.testing import ReplicaFailure
 from replicator.testing.cluster import PREFIX, SimulatedCluster, cluster_available, remove_stale
 from replicator.topology import build_process_groups, discover
+
+from _numerics import assert_within, bound
 
 available, reason = cluster_available()
 needs_cluster = pytest.mark.skipif(not available, reason=f"simulated cluster unavailable: {reason}")
@@ -42,6 +45,15 @@ def _point_to_point(peer_of_rank0: int) -> float | None:
         dist.recv(payload, src=0)
         dist.send(ack, dst=0)
     return None
+
+
+def _shaped_bytes_sent(node: int) -> int:
+    """Bytes the node's rate-limited link has sent so far: the tbf qdisc's own counter (`tc -s qdisc`)."""
+    stats = subprocess.run(["tc", "-s", "qdisc", "show", "dev", f"veth{node}"], capture_output=True, text=True,
+                           check=True).stdout
+    match = re.search(r"Sent (\d+) bytes", stats)
+    assert match is not None, stats
+    return int(match.group(1))
 
 
 def _on_cluster() -> dict[str, Any]:
@@ -82,8 +94,13 @@ def _on_cluster() -> dict[str, Any]:
         if rank in (0, peer):
             other = peer if rank == 0 else 0
             (dist.send if rank == 0 else dist.recv)(torch.zeros(16), other)
+    # Rank 0 counts what crossed its node's shaper during each kind of transfer: counters, not durations.
+    shaped = [_shaped_bytes_sent(topology.node_rank)] if rank == 0 else []
     out["inter"] = [_point_to_point(2) for _ in range(REPEATS)]
+    shaped += [_shaped_bytes_sent(topology.node_rank)] if rank == 0 else []
     out["intra"] = [_point_to_point(1) for _ in range(REPEATS)]
+    shaped += [_shaped_bytes_sent(topology.node_rank)] if rank == 0 else []
+    out["shaped_bytes"] = [after - before for before, after in zip(shaped, shaped[1:])]
     return out
 
 
@@ -141,6 +158,13 @@ def test_hierarchical_equals_flat_on_the_cluster(
     expected_integers = sum(
         torch.randint(-1000, 1000, (ODD_LENGTH,), generator=torch.Generator().manual_seed(r)).float() for r in range(4)
     )
+    # Floats: the same four terms added in another order, so fp32 round-off of their sum of |terms| only.
+    float_terms = []
+    for r in range(4):
+        generator = torch.Generator().manual_seed(r)
+        torch.randint(-1000, 1000, (ODD_LENGTH,), generator=generator)  # drawn first, as on the ranks
+        float_terms.append(torch.randn(ODD_LENGTH, generator=generator).abs())
+    float_tolerance = bound(torch.float32, sum(float_terms), 4)
     for rank, result in enumerate(results):
         _, (flat_integers, flat_floats), _ = result["sums"]["flat"]
         _, (hier_integers, hier_floats), _ = result["sums"]["hierarchical"]
@@ -149,8 +173,7 @@ def test_hierarchical_equals_flat_on_the_cluster(
         assert torch.equal(result["sums"]["auto"][1][0], flat_integers), (
             f"rank {rank}: auto differs from flat on integers"
         )
-        # Floats: the same four terms added in another order, so fp32 round-off only.
-        assert torch.allclose(hier_floats, flat_floats, rtol=1e-6, atol=1e-6), f"rank {rank}: hierarchical drifted"
+        assert_within(hier_floats, flat_floats, float_tolerance, f"rank {rank}: hierarchical vs flat")
         assert torch.equal(hier_floats, results[0]["sums"]["hierarchical"][1][1]), f"rank {rank} disagrees with rank 0"
 
 
@@ -158,17 +181,19 @@ def test_hierarchical_equals_flat_on_the_cluster(
 def test_the_link_limit_is_real(cluster_results: tuple[list[dict[str, Any]], SimulatedCluster]) -> None:
     results, cluster = cluster_results
     at_line_rate = TRANSFER_BYTES / cluster.link_bytes_per_s
-    inter, intra = min(results[0]["inter"]), min(results[0]["intra"])
-    # Even the fastest repeat cannot beat the rate (the burst lets at most 64 KiB through early) ...
+    inter = min(results[0]["inter"])
+    # Even the fastest repeat cannot beat the rate (the burst lets at most 64 KiB through early): a lower bound on a
+    # duration, which a loaded machine only lengthens, so load cannot change this verdict.
     assert inter >= 0.7 * at_line_rate, (
         f"{TRANSFER_BYTES} B crossed nodes in {inter:.3f} s, faster than {LINK_MBIT} Mbit/s allows"
     )
-    # ... and the link still carries a good share of it (a broken shaper would crawl).
-    assert inter <= 3.0 * at_line_rate, (
-        f"{TRANSFER_BYTES} B took {inter:.3f} s across nodes, {at_line_rate:.3f} s at line rate"
-    )
-    # Inside a node the kernel delivers over loopback: no shaper on the way.
-    assert intra <= 0.25 * inter, f"intra-node {intra:.4f} s vs inter-node {inter:.4f} s: is intra-node traffic shaped?"
+    # The rest by the shaper's own byte counter, not by durations: every inter-node payload went through it, and
+    # about once (a crawling, dropping shaper would resend much of it) ...
+    inter_bytes, intra_bytes = results[0]["shaped_bytes"]
+    payload = REPEATS * TRANSFER_BYTES
+    assert payload <= inter_bytes <= 1.5 * payload, f"{inter_bytes} B through the shaper for {payload} B sent"
+    # ... and inside a node the kernel delivers over loopback: none of that payload crossed it (a few barriers do).
+    assert intra_bytes < TRANSFER_BYTES // 4, f"{intra_bytes} B of intra-node traffic went through the shaper"
 
 
 @needs_cluster
