@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from replicator.comm import frames
 from replicator.comm.frames import FIRST_USER_KIND, HEADER, HELLO, MAGIC, VERSION, FrameError, Limits
-from replicator.comm.peer_link import KEY, PeerConnection, PeerDied, PeerLinkError, connect, job_token
+from replicator.comm.gloo_peer import GlooPeer, use_sockets
+from replicator.comm.peer_link import KEY, Peer, PeerConnection, PeerDied, PeerLinkError, connect, job_token
 from replicator.comm.peer_server import PeerServer
 from replicator.testing import run_replicas
 from replicator.testing.cluster import cluster_available, run_on_cluster
@@ -390,3 +391,50 @@ def test_tcp_on_the_loopback_round_trips_bit_exact(store: dist.TCPStore) -> None
         assert client.get(SAFETY_S) is True
     server.close()
     assert served == {"rank 1 (worker)": 1}
+
+
+# -- the fallback: the same frames over Gloo, decided by the whole job --------------------------------------
+
+
+def _fallback_job(refuse_on: int | None) -> dict[str, Any]:
+    _join_job()
+    rank = dist.get_rank()
+    if rank == refuse_on:
+        os.environ["REPLICATOR_PEER_LINK"] = "0"
+    sockets = use_sockets()
+    if sockets:
+        return {"sockets": True}
+    link = GlooPeer(Peer(1 - rank, "worker" if rank == 0 else "server", -1, "gloo"))
+    if rank == 0:
+        frame = link.receive()
+        link.send(frame.kind, frame.tensors, request=frame.request, flags=frame.flags)
+        return {"sockets": False}
+    sent = sample_tensors(3)
+    link.send(ECHO, sent, request=42, flags=7)
+    into = [torch.empty_like(tensor) for tensor in sent]
+    frame = link.receive(into=into)
+    return {"sockets": False, "exact": all(map(same_bits, sent, into)), "header": (frame.kind, frame.request,
+                                                                                     frame.flags)}
+
+
+def test_one_process_without_the_peer_link_moves_every_pair_to_the_same_frames_over_gloo() -> None:
+    results = run_replicas(_fallback_job, 2, 1, timeout_s=120)
+    assert [result["sockets"] for result in results] == [False, False]
+    assert results[1]["exact"] is True and results[1]["header"] == (ECHO, 42, 7)
+    assert run_replicas(_fallback_job, 2, None, timeout_s=120) == [{"sockets": True}] * 2
+
+
+def test_a_server_that_hangs_is_named_after_replicator_timeout(store: dist.TCPStore,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    server = PeerServer("solo", rank=0, role="server", store=store, timeout_s=SAFETY_S)
+    received: list[Any] = []
+    serving = threading.Thread(target=lambda: received.append(server.receive(timeout_s=SAFETY_S)))
+    serving.start()  # takes the frame and never answers: alive (its socket open) but hung
+    monkeypatch.setenv("REPLICATOR_TIMEOUT", "1")
+    link = connect("solo", rank=1, role="worker", store=store)
+    link.send(ECHO, [torch.ones(3)])
+    with pytest.raises(PeerLinkError, match=r"^rank 0 \(server\) sent nothing for 1 s \(REPLICATOR_TIMEOUT\)"):
+        link.receive()
+    serving.join(SAFETY_S)
+    assert received[0] is not None
+    server.close()
