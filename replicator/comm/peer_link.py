@@ -22,6 +22,7 @@ import secrets
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -193,7 +194,8 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
 
 
 class PeerConnection:
-    """A connected peer: `send` a frame, `receive` the next one (blocking, at most the timeout)."""
+    """A connected peer: `send` a frame (from any thread), `receive` the next one (one thread at a time;
+    blocking, at most the timeout)."""
 
     def __init__(self, sock: socket.socket, peer: Peer, limits: Limits, transport: str, timeout_s: float) -> None:
         self.sock, self.peer, self.limits, self.transport, self.timeout_s = sock, peer, limits, transport, timeout_s
@@ -201,6 +203,7 @@ class PeerConnection:
         self._extension = bytearray(limits.max_extension)
         self._landing = Landing()
         self._broken: PeerLinkError | None = None
+        self._sending = threading.Lock()  # frames from several threads go whole, one after another
         sock.settimeout(timeout_s)
 
     def send(self, kind: int, tensors: Sequence[torch.Tensor] = (), *, request: int = 0, flags: int = 0) -> None:
@@ -209,7 +212,8 @@ class PeerConnection:
             raise self._broken
         buffers = encode(kind, tensors, request, flags, self.limits)
         try:
-            send_buffers(self.sock, buffers, None)
+            with self._sending:
+                send_buffers(self.sock, buffers, None)
         except (BrokenPipeError, ConnectionResetError) as error:
             raise self._fail(PeerDied(f"{self.peer} closed its end of the link (it exited or crashed): {error}",
                                       self.peer)) from None

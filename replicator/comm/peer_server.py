@@ -157,17 +157,7 @@ class PeerServer:
             self._release(self._held)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._events:
-            now = time.monotonic()
-            waits = [c.deadline - now for c in (*self._pending, *self.connections.values())
-                     if c.deadline is not None]
-            if deadline is not None:
-                waits.append(deadline - now)
-            for key, _ in self.selector.select(max(0.0, min(waits)) if waits else None):
-                if isinstance(key.data, str):
-                    self._accept(key.fileobj, key.data)  # type: ignore[arg-type]
-                else:
-                    self._read(key.data)
-            self._expire(time.monotonic())
+            self._turn(deadline)
             if not self._events and deadline is not None and time.monotonic() >= deadline:
                 return None
         connection, event = self._events.popleft()
@@ -175,6 +165,32 @@ class PeerServer:
             raise event
         self._hold(connection)
         return connection.peer, event
+
+    def wait_for(self, count: int, timeout_s: float | None = None) -> list[Peer]:
+        """Run the loop until `count` peers have joined (a peer's `connect` returns once the server has
+        answered its handshake, which it does inside this loop); frames that arrive meanwhile wait
+        for `receive()`. Raises PeerLinkError naming who joined, after `timeout_s` (default: the timeout)."""
+        within_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + within_s
+        while len(self.connections) < count:
+            if time.monotonic() >= deadline:
+                raise PeerLinkError(f"{len(self.connections)} of {count} peers joined {self.name!r} within "
+                                    f"{within_s:g} s: {', '.join(map(str, self.connections)) or 'none'}")
+            self._turn(deadline)
+        return self.peers
+
+    def _turn(self, deadline: float | None) -> None:
+        """One wait in the kernel for any socket, then everything it says is ready, without blocking."""
+        now = time.monotonic()
+        waits = [c.deadline - now for c in (*self._pending, *self.connections.values()) if c.deadline is not None]
+        if deadline is not None:
+            waits.append(deadline - now)
+        for key, _ in self.selector.select(max(0.0, min(waits)) if waits else None):
+            if isinstance(key.data, str):
+                self._accept(key.fileobj, key.data)  # type: ignore[arg-type]
+            else:
+                self._read(key.data)
+        self._expire(time.monotonic())
 
     def send(self, peer: Peer, kind: int, tensors: Sequence[torch.Tensor] = (), *, request: int = 0,
              flags: int = 0) -> None:

@@ -95,6 +95,8 @@ def _echo_job(rounds: int) -> dict[str, Any]:
     if rank == 0:
         server = PeerServer("echo", rank=0, role="server", timeout_s=SAFETY_S)
         dist.barrier()
+        joined = server.wait_for(dist.get_world_size() - 1)
+        assert sorted(map(str, joined)) == [f"rank {r} (worker)" for r in range(1, dist.get_world_size())]
         served, departures = serve_echo(server, until_departed=dist.get_world_size() - 1)
         server.close()
         return {"served": served, "departures": departures}
@@ -437,4 +439,11 @@ def test_a_server_that_hangs_is_named_after_replicator_timeout(store: dist.TCPSt
         link.receive()
     serving.join(SAFETY_S)
     assert received[0] is not None
+    server.close()
+
+
+def test_waiting_for_peers_that_do_not_come_names_those_that_did(store: dist.TCPStore) -> None:
+    server = PeerServer("solo", rank=0, role="server", store=store, timeout_s=SAFETY_S)
+    with pytest.raises(PeerLinkError, match=r"^0 of 2 peers joined 'solo' within 0.2 s: none$"):
+        server.wait_for(2, timeout_s=0.2)
     server.close()
