@@ -47,7 +47,7 @@ from replicator.comm.frames import (
 )
 from replicator.comm.store import job_store
 
-__all__ = ["Peer", "PeerConnection", "PeerLinkError", "PeerDied", "PeerDropped", "connect", "job_token",
+__all__ = ["Peer", "PeerConnection", "ReadAhead", "PeerLinkError", "PeerDied", "PeerDropped", "connect", "job_token",
            "node_identity", "HANDSHAKE_LIMITS"]
 
 KEY = "replicator/peer_link/"
@@ -57,6 +57,7 @@ _HELLO = struct.Struct(f"<{TOKEN_BYTES}sqqB")  # token, rank, pid, length of the
 _WELCOME = struct.Struct("<qqQIIIB")  # rank, pid, max payload, max extension, max tensors, max dims, role length
 # What a peer may send before it has shown the token: a HELLO and nothing more.
 HANDSHAKE_LIMITS = Limits(max_payload=0, max_extension=_HELLO.size + 255, max_tensors=0, max_dims=0)
+BUFFER_BYTES = 4 << 20  # kernel socket buffers asked for, each way
 _ALIGN = 64  # each received tensor starts at a multiple of this in the reused buffer (any dtype can view it)
 
 
@@ -118,6 +119,8 @@ def send_buffers(sock: socket.socket, buffers: list[memoryview | bytes], within_
         try:
             sent = sock.sendmsg(views[:512], [], socket.MSG_NOSIGNAL)  # under IOV_MAX; EPIPE, not SIGPIPE
         except BlockingIOError:
+            if sock.gettimeout() is None:  # a blocking socket: its kernel send timeout (SO_SNDTIMEO) passed
+                raise TimeoutError("the peer took nothing for the timeout") from None
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise TimeoutError("the peer took nothing for the timeout") from None
@@ -130,6 +133,49 @@ def send_buffers(sock: socket.socket, buffers: list[memoryview | bytes], within_
             views.pop(0)
         if sent:
             views[0] = views[0][sent:]
+
+
+def tune(sock: socket.socket, timeout_s: float | None) -> None:
+    """Large kernel buffers (a model-sized frame in one `sendmsg`) and, for a blocking socket, the
+    timeout kept by the kernel (SO_RCVTIMEO/SO_SNDTIMEO): a wait costs no `poll` before each call."""
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, BUFFER_BYTES)  # the kernel caps it at its maximum
+    if timeout_s is not None:
+        sock.settimeout(None)
+        seconds = min(int(timeout_s), 2**31 - 1)
+        timeval = struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6))
+        for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            sock.setsockopt(socket.SOL_SOCKET, option, timeval)
+
+
+class ReadAhead:
+    """Bytes read past what was asked, kept for the next read: the header, the descriptors and a small
+    payload cost one `recv` together, while a large payload is received straight into its tensor."""
+
+    SIZE = 64 << 10
+
+    def __init__(self) -> None:
+        self.view = memoryview(bytearray(self.SIZE))
+        self.start = self.end = 0
+
+    @property
+    def pending(self) -> int:
+        return self.end - self.start
+
+    def take(self, target: memoryview) -> int:
+        """Copy what is buffered into `target`; how many bytes."""
+        count = min(self.end - self.start, target.nbytes)
+        if count:
+            target[:count] = self.view[self.start : self.start + count]
+            self.start += count
+        return count
+
+    def recv(self, sock: socket.socket, target: memoryview) -> int:
+        """Bytes received into `target` (0: end of file); only when nothing is buffered."""
+        if target.nbytes >= self.SIZE // 2:
+            return sock.recv_into(target)
+        self.start, self.end = 0, sock.recv_into(self.view)
+        return self.take(target)
 
 
 class Landing:
@@ -204,7 +250,8 @@ class PeerConnection:
         self._landing = Landing()
         self._broken: PeerLinkError | None = None
         self._sending = threading.Lock()  # frames from several threads go whole, one after another
-        sock.settimeout(timeout_s)
+        self._ahead = ReadAhead()
+        tune(sock, timeout_s)
 
     def send(self, kind: int, tensors: Sequence[torch.Tensor] = (), *, request: int = 0, flags: int = 0) -> None:
         """One frame: the header and every tensor's bytes, in place, in one `sendmsg` when the kernel takes it all."""
@@ -242,11 +289,11 @@ class PeerConnection:
         return Frame(header.kind, header.flags, header.request, tensors)
 
     def _fill(self, view: memoryview) -> None:
-        filled = 0
+        filled = self._ahead.take(view)
         while filled < view.nbytes:
             try:
-                received = self.sock.recv_into(view[filled:])
-            except TimeoutError:
+                received = self._ahead.recv(self.sock, view[filled:])
+            except (TimeoutError, BlockingIOError):  # BlockingIOError: the kernel's receive timeout passed
                 raise self._fail(PeerLinkError(f"{self.peer} sent nothing for {self.timeout_s:.0f} s "
                                                f"(REPLICATOR_TIMEOUT): it hangs", self.peer)) from None
             except ConnectionResetError:
@@ -316,7 +363,7 @@ def _handshake(sock: socket.socket, server: Peer, token: bytes, rank: int, role:
                timeout_s: float) -> PeerConnection:
     send_buffers(sock, encode(HELLO, (), 0, 0, HANDSHAKE_LIMITS, extension=hello(token, rank, role)), timeout_s)
     greeting = PeerConnection(sock, server, Limits(max_payload=0, max_extension=_WELCOME.size + 255), transport,
-                              timeout_s)
+                              timeout_s)  # becomes the connection: what it read past the WELCOME stays in it
     header_view = memoryview(greeting._header)
     greeting._fill(header_view)
     header = parse_header(greeting._header, greeting.limits)
@@ -330,10 +377,13 @@ def _handshake(sock: socket.socket, server: Peer, token: bytes, rank: int, role:
     their_role = bytes(extension[_WELCOME.size : _WELCOME.size + length]).decode("ascii", errors="replace")
     if (their_rank, pid) != (server.rank, server.pid):
         raise PeerLinkError(f"the handshake answered as rank {their_rank} pid {pid}, not {server}", server)
-    limits = Limits(max_payload, max_extension, max_tensors, max_dims)
     host, port = sock.getpeername()[:2] if transport == "tcp" else ("", 0)
-    address = f"{host}:{port}" if transport == "tcp" else "unix"
-    return PeerConnection(sock, Peer(their_rank, their_role, pid, address), limits, transport, timeout_s)
+    greeting.peer = Peer(their_rank, their_role, pid, f"{host}:{port}" if transport == "tcp" else "unix")
+    ours = Limits()  # the bounds agreed: the tighter of the server's and this end's
+    greeting.limits = Limits(min(max_payload, ours.max_payload), min(max_extension, ours.max_extension),
+                             min(max_tensors, ours.max_tensors), min(max_dims, ours.max_dims))
+    greeting._extension = bytearray(greeting.limits.max_extension)
+    return greeting
 
 
 def token_matches(token: bytes, expected: bytes) -> bool:

@@ -55,6 +55,7 @@ from replicator.comm.peer_link import (
     PeerDied,
     PeerDropped,
     PeerLinkError,
+    ReadAhead,
     check_into,
     job_token,
     node_identity,
@@ -62,6 +63,7 @@ from replicator.comm.peer_link import (
     read_hello,
     send_buffers,
     token_matches,
+    tune,
     welcome,
 )
 from replicator.comm.store import job_store
@@ -110,6 +112,9 @@ class _Connection:
     landing: Landing = field(default_factory=Landing)
     mismatch: str | None = None
     started: bool = False  # some bytes of the current frame have arrived
+    ahead: ReadAhead = field(default_factory=ReadAhead)
+    paused: bool = False  # a whole frame of it waits for the caller: read no further until it is done
+    registered: bool = True  # with the selector (a paused connection leaves it only if it turns up ready)
 
 
 class PeerServer:
@@ -188,6 +193,9 @@ class PeerServer:
         for key, _ in self.selector.select(max(0.0, min(waits)) if waits else None):
             if isinstance(key.data, str):
                 self._accept(key.fileobj, key.data)  # type: ignore[arg-type]
+            elif key.data.paused:  # more of it waits in the kernel: leave it there, and stop asking
+                self.selector.unregister(key.fileobj)
+                key.data.registered = False
             else:
                 self._read(key.data)
         self._expire(time.monotonic())
@@ -227,6 +235,7 @@ class PeerServer:
             except BlockingIOError:
                 return
             sock.setblocking(False)
+            tune(sock, None)
             if transport == "tcp":
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 where = f"{address[0]}:{address[1]}"
@@ -252,9 +261,12 @@ class PeerServer:
                     target = memoryview(connection.header_bytes)
                 else:
                     target = connection.targets[0]
-                received = connection.sock.recv_into(target[connection.filled :]) if target.nbytes else 0
-                if target.nbytes and received == 0:
-                    raise _Departed(connection.filled or connection.started)
+                rest = target[connection.filled :]
+                received = connection.ahead.take(rest)
+                if not received and rest.nbytes:
+                    received = connection.ahead.recv(connection.sock, rest)
+                    if received == 0:
+                        raise _Departed(connection.filled or connection.started)
                 if not connection.started:
                     connection.started = True
                     if connection.ready:
@@ -314,7 +326,7 @@ class PeerServer:
             log.warning("peer link %r: %s; the frame was read and dropped", self.name, connection.mismatch)
             return False
         self._events.append((connection, frame))
-        self.selector.unregister(connection.sock)  # until the caller is done with the frame's buffer
+        connection.paused = True  # until the caller is done with the frame's buffer
         return True
 
     def _greet(self, connection: _Connection, header: Header) -> None:
@@ -359,10 +371,9 @@ class PeerServer:
         self.connections.pop(connection.peer, None)
         if self._held is connection:
             self._held = None
-        try:
+        if connection.registered:
+            connection.registered = False
             self.selector.unregister(connection.sock)
-        except (KeyError, ValueError):
-            pass  # not registered while its frame was held, or already closed
         connection.sock.close()
 
     def _hold(self, connection: _Connection) -> None:
@@ -370,8 +381,14 @@ class PeerServer:
 
     def _release(self, connection: _Connection) -> None:
         self._held = None
-        if connection.peer in self.connections:
+        connection.paused = False
+        if connection.peer not in self.connections:
+            return
+        if not connection.registered:
             self.selector.register(connection.sock, selectors.EVENT_READ, connection)
+            connection.registered = True
+        if connection.ahead.pending:  # the next frame, or part of it, was read with this one
+            self._read(connection)
 
 
 class _Departed(Exception):
