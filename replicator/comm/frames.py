@@ -15,6 +15,7 @@ must account for the payload to the byte. A frame that breaks a rule raises `Fra
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Sequence
@@ -149,8 +150,16 @@ def parse_header(raw: bytes | bytearray | memoryview, limits: Limits) -> Header:
     return Header(kind, flags, request, extension, payload)
 
 
-def parse_specs(raw: bytes | bytearray | memoryview, payload: int, limits: Limits) -> list[TensorSpec]:
-    """The tensors an extension describes; they must account for `payload` to the byte."""
+def parse_specs(raw: bytes | bytearray | memoryview, payload: int, limits: Limits) -> tuple[TensorSpec, ...]:
+    """The tensors an extension describes; they must account for `payload` to the byte.
+
+    A peer sends the same shapes frame after frame: the answer for the last few is kept, and
+    the same object returned (a refused extension is not kept: it raises every time)."""
+    return _parse_specs(bytes(raw), payload, limits)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_specs(raw: bytes, payload: int, limits: Limits) -> tuple[TensorSpec, ...]:
     view = memoryview(raw)
     if len(view) < _COUNT.size:
         raise FrameError(f"a tensor frame's extension of {len(view)} bytes has no tensor count")
@@ -188,4 +197,4 @@ def parse_specs(raw: bytes | bytearray | memoryview, payload: int, limits: Limit
         raise FrameError(f"{len(view) - at} bytes left over after the tensors' descriptors")
     if total != payload:
         raise FrameError(f"the descriptors account for {total} bytes of a {payload}-byte payload")
-    return specs
+    return tuple(specs)

@@ -85,7 +85,7 @@ class GlooPeer:
         except FrameError as error:
             raise PeerLinkError(f"{self.peer} broke the link's protocol: {error}", self.peer) from None
         mismatch = check_into(specs, into, self.peer) if into is not None else None
-        tensors = list(into) if into is not None and mismatch is None else self._landing.views(specs)
+        tensors = list(into) if into is not None and mismatch is None else self._landing.views(specs)[0]
         for tensor in tensors:
             if tensor.numel():
                 self._recv(_bytes_of(tensor))

@@ -183,16 +183,25 @@ class Landing:
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._specs: Sequence[TensorSpec] = ()
+        self._views: list[torch.Tensor] = []
+        self._bytes: list[memoryview] = []
 
-    def views(self, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
+    def views(self, specs: Sequence[TensorSpec]) -> tuple[list[torch.Tensor], list[memoryview]]:
+        """Tensors for `specs` in the buffer, and their bytes; the same objects again while the shapes repeat."""
+        if specs is self._specs or specs == self._specs:
+            return self._views, self._bytes
         offsets, total = [], 0
         for spec in specs:
             offsets.append(total)
             total += -(-spec.nbytes // _ALIGN) * _ALIGN
         if total > self.buffer.numel():
             self.buffer = torch.empty(max(total, 2 * self.buffer.numel()), dtype=torch.uint8)
-        return [self.buffer[at : at + spec.nbytes].view(spec.dtype).view(spec.shape)
-                for at, spec in zip(offsets, specs, strict=True)]
+        self._views = [self.buffer[at : at + spec.nbytes].view(spec.dtype).view(spec.shape)
+                       for at, spec in zip(offsets, specs, strict=True)]
+        self._bytes = [byte_view(view) for view in self._views]
+        self._specs = specs
+        return self._views, self._bytes
 
 
 def check_into(specs: Sequence[TensorSpec], into: Sequence[torch.Tensor], peer: Peer) -> str | None:
@@ -279,14 +288,17 @@ class PeerConnection:
             self._fill(extension)
             specs = parse_specs(extension, header.payload, self.limits)
             mismatch = check_into(specs, into, self.peer) if into is not None else None
-            tensors = list(into) if into is not None and mismatch is None else self._landing.views(specs)
-            for tensor in tensors:
-                self._fill(byte_view(tensor))
+            if into is not None and mismatch is None:
+                tensors, targets = list(into), [byte_view(tensor) for tensor in into]
+            else:
+                tensors, targets = self._landing.views(specs)
+            for target in targets:
+                self._fill(target)
         except FrameError as error:
             raise self._fail(PeerLinkError(f"{self.peer} broke the link's protocol: {error}", self.peer)) from None
         if mismatch is not None:
             raise ValueError(mismatch)  # the frame was read whole: the link is still in step
-        return Frame(header.kind, header.flags, header.request, tensors)
+        return Frame(header.kind, header.flags, header.request, list(tensors))
 
     def _fill(self, view: memoryview) -> None:
         filled = self._ahead.take(view)

@@ -312,15 +312,16 @@ class PeerServer:
             connection.mismatch = check_into(specs, placed, connection.peer) if placed is not None else None
             if placed is not None and connection.mismatch is None:
                 connection.tensors = list(placed)
+                targets = [byte_view(tensor) for tensor in placed]
             else:
-                connection.tensors = connection.landing.views(specs)
-            connection.targets = [view for view in map(byte_view, connection.tensors) if view.nbytes]
+                connection.tensors, targets = connection.landing.views(specs)
+            connection.targets = [view for view in targets if view.nbytes]
             connection.stage = "payload"
         elif connection.targets:
             connection.targets.pop(0)
         if connection.targets:
             return False
-        frame = Frame(header.kind, header.flags, header.request, connection.tensors)
+        frame = Frame(header.kind, header.flags, header.request, list(connection.tensors))
         connection.stage, connection.started, connection.deadline = "header", False, None
         if connection.mismatch is not None:
             log.warning("peer link %r: %s; the frame was read and dropped", self.name, connection.mismatch)

@@ -218,9 +218,16 @@ def _hostile(port: int, case: str) -> tuple[str, int]:
     store = _store_at(port)
     record = json.loads(store.get(f"{KEY}address/solo"))
     token = job_token(store)
+    if case == "another user":
+        os.setgid(65534)
+        os.setuid(65534)  # nobody: it knows the token, but the kernel says who it is
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect("\0" + record["unix"])
-    if case in ("garbage before the handshake", "wrong token"):
+    if case in ("another user", "a pid not its own"):
+        pid = os.getpid() + (1 if case == "a pid not its own" else 0)
+        hello = struct.pack(f"<{len(token)}sqqB", token, 9, pid, 7) + b"hostile"
+        sock.sendall(HEADER.pack(MAGIC, VERSION, HELLO, 0, 0, len(hello), 0) + hello)
+    elif case in ("garbage before the handshake", "wrong token"):
         if case == "wrong token":
             token = bytes(len(token))
         hello = struct.pack(f"<{len(token)}sqqB", token, 9, os.getpid(), 7) + b"hostile"
@@ -262,6 +269,7 @@ def _honest(port: int, rounds: int) -> None:
 
 
 HOSTILE = {  # case: what the log line says, and whether the peer had completed its handshake
+    "a pid not its own": ("dropped: it broke the link's protocol: it claims pid ", False),
     "wrong token": ("dropped: it broke the link's protocol: it did not present the job's token", False),
     "garbage before the handshake": ("dropped: it broke the link's protocol: not a frame of the peer link", False),
     "lengths past the bounds": ("dropped: it broke the link's protocol: a payload of 1099511627776 bytes, past the "
@@ -457,3 +465,21 @@ def test_waiting_for_peers_that_do_not_come_names_those_that_did(store: dist.TCP
     with pytest.raises(PeerLinkError, match=r"^0 of 2 peers joined 'solo' within 0.2 s: none$"):
         server.wait_for(2, timeout_s=0.2)
     server.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a peer as another user")
+def test_a_peer_of_another_user_is_refused_by_its_kernel_credentials(store: dist.TCPStore,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    server = PeerServer("solo", rank=0, role="server", store=store, timeout_s=SAFETY_S)
+    context = multiprocessing.get_context("forkserver")
+    with context.Pool(1) as pool, caplog.at_level(logging.WARNING, logger="replicator.comm.peer_link"):
+        hostile = pool.apply_async(_hostile, (store.port, "another user"))
+        deadline = time.monotonic() + SAFETY_S
+        while not hostile.ready():
+            assert time.monotonic() < deadline
+            assert server.receive(timeout_s=0.5) is None  # nothing from it ever reaches the caller
+        outcome, pid = hostile.get()
+    server.close()
+    assert outcome == "closed by the server"
+    assert [record.message for record in caplog.records] == [
+        f"peer link 'solo': refused a connection from pid {pid}: it runs as uid 65534, the job as {os.getuid()}"]
