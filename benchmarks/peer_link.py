@@ -19,7 +19,11 @@ back, for a 4 KB tensor and for an 85k-parameter model's worth (340 KB), through
 The contenders take turns in phases (the order rotates every repetition); a phase's figure
 is the median round trip of its round trips, a contender's the median over repetitions, and
 the ratios are paired within a repetition. CPU time is `time.process_time()` of both
-processes over the phase (all their threads: Gloo's and TensorPipe's too) per round trip.
+processes (all their threads: Gloo's and TensorPipe's too) over their part of the phase,
+with no barrier inside it, per round trip; for the RPC arm rank 0's part lasts until rank 1
+says it is done (one frame, waited for in epoll). Both processes host an RPC agent and
+Gloo's threads throughout, whose background CPU lands on every arm; the last column is the
+peer link's own cost, the CPU of the two main threads (where all of its work happens).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from replicator.testing.processes import free_port
 
 SIZES = {"4 KB": 1024, "85k params (340 KB)": 85_000}
 ARMS = ("peer link (unix)", "peer link (tcp)", "gloo send/recv", "rpc_sync echo")
-ECHO = FIRST_USER_KIND
+ECHO, DONE = FIRST_USER_KIND, FIRST_USER_KIND + 1
 
 
 def echo(tensor: torch.Tensor) -> torch.Tensor:
@@ -97,10 +101,12 @@ def _measure(rpc_port: int, repeats: int, per_phase: int) -> dict[str, Any]:
 
     walls: dict[str, dict[str, list[float]]] = {size: {arm: [] for arm in ARMS} for size in SIZES}
     cpus: dict[str, dict[str, list[float]]] = {size: {arm: [] for arm in ARMS} for size in SIZES}
+    threads: dict[str, dict[str, list[float]]] = {size: {arm: [] for arm in ARMS} for size in SIZES}
     for size, tensor in tensors.items():
         for _, arm in in_turns(ARMS, repeats + 1):  # the first repetition warms up, and is dropped below
             dist.barrier()
-            cpu = time.process_time()
+            cpu = time.process_time()  # from here to the end of this rank's part of the phase, no barrier inside
+            own = time.thread_time()
             times = []
             if rank == 1:
                 trip = client_arm(arm, tensor)
@@ -108,18 +114,26 @@ def _measure(rpc_port: int, repeats: int, per_phase: int) -> dict[str, Any]:
                     started = time.perf_counter()
                     trip()
                     times.append(time.perf_counter() - started)
+                spent, spent_own = time.process_time() - cpu, time.thread_time() - own
+                if arm == "rpc_sync echo":
+                    links["unix"].send(DONE)  # rank 0 waits for it in epoll, at no CPU cost
             elif arm.startswith("peer link"):
                 serve(servers[arm.split("(")[1].rstrip(")")])
             elif arm == "gloo send/recv":
                 for _ in range(per_phase):
                     dist.recv(tensor, src=1)
                     dist.send(tensor, dst=1)
-            dist.barrier()  # rank 0 of the RPC arm: its TensorPipe threads served meanwhile
-            spent = torch.tensor([time.process_time() - cpu], dtype=torch.float64)
-            dist.all_reduce(spent)
+            else:  # the RPC arm: TensorPipe's threads serve on rank 0 until rank 1 says it is done
+                received = servers["unix"].receive()
+                assert received is not None and received[1].kind == DONE
+            if rank == 0:
+                spent, spent_own = time.process_time() - cpu, time.thread_time() - own
+            total = torch.tensor([spent, spent_own], dtype=torch.float64)
+            dist.all_reduce(total)
             if rank == 1:
                 walls[size][arm].append(statistics.median(times))
-                cpus[size][arm].append(float(spent) / per_phase)
+                cpus[size][arm].append(float(total[0]) / per_phase)
+                threads[size][arm].append(float(total[1]) / per_phase)
     for link in links.values():
         link.close()
     for server in servers.values():
@@ -127,7 +141,8 @@ def _measure(rpc_port: int, repeats: int, per_phase: int) -> dict[str, Any]:
     rpc.shutdown()
     # Drop each arm's first phase: the warm-up.
     return {"walls": {s: {a: v[1:] for a, v in arms.items()} for s, arms in walls.items()},
-            "cpus": {s: {a: v[1:] for a, v in arms.items()} for s, arms in cpus.items()}}
+            "cpus": {s: {a: v[1:] for a, v in arms.items()} for s, arms in cpus.items()},
+            "threads": {s: {a: v[1:] for a, v in arms.items()} for s, arms in threads.items()}}
 
 
 def main() -> None:
@@ -143,26 +158,28 @@ def main() -> None:
     print(f"2 processes on one node; {args.repeats} repetitions x {args.per_phase} round trips per contender\n")
     report: dict[str, Any] = {"repeats": args.repeats, "per_phase": args.per_phase, "sizes": {}}
     for size in SIZES:
-        walls, cpus = figures["walls"][size], figures["cpus"][size]
+        walls, cpus, threads = figures["walls"][size], figures["cpus"][size], figures["threads"][size]
         versus_rpc = compare(walls, "rpc_sync echo")
         versus_gloo = compare(walls, "gloo send/recv")
         cpu_versus_rpc = compare(cpus, "rpc_sync echo")
         print(f"{size}:")
         print("| contender | round trip µs, median (min–max) | paired vs rpc_sync | paired vs gloo | "
-              "CPU µs per round trip, both processes | CPU paired vs rpc_sync |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+              "CPU µs per round trip, both processes | CPU paired vs rpc_sync | the link's own CPU µs |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for arm in ARMS:
             wall, cpu = versus_rpc[arm].spread, cpu_versus_rpc[arm].spread
             print(f"| {arm} | {1e6 * wall.median:.0f} ({1e6 * wall.min:.0f}–{1e6 * wall.max:.0f}) | "
                   f"{ratio_text(versus_rpc[arm].paired)} | {ratio_text(versus_gloo[arm].paired)} | "
-                  f"{1e6 * cpu.median:.0f} | {ratio_text(cpu_versus_rpc[arm].paired)} |")
+                  f"{1e6 * cpu.median:.0f} | {ratio_text(cpu_versus_rpc[arm].paired)} | "
+                  f"{f'{1e6 * statistics.median(threads[arm]):.0f}' if arm.startswith('peer link') else '—'} |")
         print()
         report["sizes"][size] = {arm: {"round_trip_us": 1e6 * versus_rpc[arm].spread.median,
                                        "paired_vs_rpc": versus_rpc[arm].paired,
                                        "paired_vs_gloo": versus_gloo[arm].paired,
                                        "cpu_us_per_round_trip": 1e6 * cpu_versus_rpc[arm].spread.median,
                                        "cpu_paired_vs_rpc": cpu_versus_rpc[arm].paired,
-                                       "round_trip_s": walls[arm], "cpu_s": cpus[arm]} for arm in ARMS}
+                                       "round_trip_s": walls[arm], "cpu_s": cpus[arm],
+                                       "main_thread_cpu_s": threads[arm]} for arm in ARMS}
     write_json(args.json, report, header)
 
 
