@@ -483,3 +483,35 @@ def test_a_peer_of_another_user_is_refused_by_its_kernel_credentials(store: dist
     assert outcome == "closed by the server"
     assert [record.message for record in caplog.records] == [
         f"peer link 'solo': refused a connection from pid {pid}: it runs as uid 65534, the job as {os.getuid()}"]
+
+
+def _placed_client(port: int) -> bool:
+    link = connect("solo", rank=1, role="worker", store=_store_at(port), timeout_s=SAFETY_S)
+    link.send(ECHO, [torch.arange(5.0)])
+    link.send(ECHO, [torch.arange(3)])  # int64 where the server placed float32: read, logged, dropped
+    link.send(HALT)
+    answer = link.receive()
+    link.close()
+    return answer.kind == HALT
+
+
+def test_a_server_places_frames_in_its_own_tensors_and_drops_one_that_does_not_fit(
+        store: dist.TCPStore, caplog: pytest.LogCaptureFixture) -> None:
+    target = torch.full((5,), -1.0)
+    server = PeerServer("solo", rank=0, role="server", store=store, timeout_s=SAFETY_S,
+                        place=lambda peer, kind, specs: [target] if kind == ECHO else None)
+    context = multiprocessing.get_context("forkserver")
+    with context.Pool(1) as pool, caplog.at_level(logging.WARNING, logger="replicator.comm.peer_link"):
+        client = pool.apply_async(_placed_client, (store.port,))
+        received = server.receive(timeout_s=SAFETY_S)
+        assert received is not None
+        peer, frame = received
+        assert frame.tensors[0] is target and same_bits(target, torch.arange(5.0))
+        received = server.receive(timeout_s=SAFETY_S)  # the misfit is skipped: the stream is still in step
+        assert received is not None and received[1].kind == HALT
+        server.send(peer, HALT)
+        assert client.get(SAFETY_S) is True
+    server.close()
+    assert [record.message for record in caplog.records] == [
+        "peer link 'solo': rank 1 (worker) sent tensors [(torch.int64, (3,))], the receiver expected "
+        "[(torch.float32, (5,))]; the frame was read and dropped"]
