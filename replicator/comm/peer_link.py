@@ -330,7 +330,10 @@ class PeerConnection:
 
 def _record(name: str, store: dist.Store, within_s: float) -> dict[str, object]:
     key = f"{KEY}address/{name}"
-    store.wait([key], timedelta(seconds=within_s))
+    try:
+        store.wait([key], timedelta(seconds=within_s))
+    except RuntimeError as error:  # torch's DistStoreError: the wait timed out or the store went away
+        raise PeerLinkError(f"no server was published as {name!r} within {within_s:g} s: {error}") from None
     try:
         record = json.loads(store.get(key).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as error:
@@ -368,7 +371,8 @@ def connect(name: str, *, rank: int, role: str, store: dist.Store | None = None,
         except (OSError, PeerLinkError) as error:
             sock.close()
             errors.append(f"{transport} {address!r}: {error}")
-    raise PeerLinkError(f"could not reach {server} (published as {name!r}): " + "; ".join(errors), server)
+    raise PeerLinkError(f"could not reach {server} (published as {name!r}): " + "; ".join(errors)
+                        + " (a server closes a connection it refuses: its log says why)", server)
 
 
 def _handshake(sock: socket.socket, server: Peer, token: bytes, rank: int, role: str, transport: str,

@@ -515,3 +515,8 @@ def test_a_server_places_frames_in_its_own_tensors_and_drops_one_that_does_not_f
     assert [record.message for record in caplog.records] == [
         "peer link 'solo': rank 1 (worker) sent tensors [(torch.int64, (3,))], the receiver expected "
         "[(torch.float32, (5,))]; the frame was read and dropped"]
+
+
+def test_connecting_to_a_name_nobody_published_says_so(store: dist.TCPStore) -> None:
+    with pytest.raises(PeerLinkError, match=r"^no server was published as 'nobody' within 0.2 s"):
+        connect("nobody", rank=1, role="worker", store=store, timeout_s=0.2)
