@@ -520,3 +520,30 @@ def test_a_server_places_frames_in_its_own_tensors_and_drops_one_that_does_not_f
 def test_connecting_to_a_name_nobody_published_says_so(store: dist.TCPStore) -> None:
     with pytest.raises(PeerLinkError, match=r"^no server was published as 'nobody' within 0.2 s"):
         connect("nobody", rank=1, role="worker", store=store, timeout_s=0.2)
+
+
+def _big_client(port: int, force_tcp: bool) -> list[bool]:
+    link = connect("solo", rank=1, role="worker", store=_store_at(port), timeout_s=SAFETY_S, force_tcp=force_tcp)
+    # Three times the kernel's socket buffers: the sender's sendmsg takes it in parts, the receiver's
+    # recv_into lands it in parts, both ways.
+    big = torch.randn(3 << 20, generator=torch.Generator().manual_seed(1))
+    small = torch.arange(7)
+    link.send(ECHO, [small, big, small])
+    into = [torch.empty_like(small), torch.empty_like(big), torch.empty_like(small)]
+    link.receive(into=into)
+    exact = [same_bits(big, into[1]), same_bits(small, into[0]) and same_bits(small, into[2])]
+    link.close()
+    return [*exact, link.transport == ("tcp" if force_tcp else "unix")]
+
+
+@pytest.mark.parametrize("force_tcp", [False, True], ids=["unix", "tcp"])
+def test_a_frame_larger_than_the_socket_buffers_goes_in_parts_and_arrives_whole(store: dist.TCPStore,
+                                                                                force_tcp: bool) -> None:
+    server = PeerServer("solo", rank=0, role="server", store=store, timeout_s=SAFETY_S, host="127.0.0.1")
+    context = multiprocessing.get_context("forkserver")
+    with context.Pool(1) as pool:
+        client = pool.apply_async(_big_client, (store.port, force_tcp))
+        served, _ = serve_echo(server, until_departed=1)
+        assert client.get(SAFETY_S) == [True, True, True]
+    server.close()
+    assert served == {"rank 1 (worker)": 1}
