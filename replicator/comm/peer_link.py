@@ -206,6 +206,10 @@ class Landing:
 
 def check_into(specs: Sequence[TensorSpec], into: Sequence[torch.Tensor], peer: Peer) -> str | None:
     """Why the caller's tensors cannot take this frame's (None: they can)."""
+    unfit = [n for n, tensor in enumerate(into) if tensor.device.type != "cpu" or not tensor.is_contiguous()]
+    if unfit:
+        return (f"the tensors at {unfit} to receive {peer}'s frame into are not contiguous CPU tensors "
+                "(call .contiguous(), or receive into a CPU buffer and copy)")
     wanted = [(tensor.dtype, tuple(tensor.shape)) for tensor in into]
     sent = [(spec.dtype, spec.shape) for spec in specs]
     if wanted != sent:

@@ -354,7 +354,8 @@ def test_the_frame_parser_checks_every_length_against_the_bounds() -> None:
             frames.parse_specs(raw, payload, limits)
 
 
-def test_a_frame_past_the_bounds_is_refused_where_it_is_sent(store: dist.TCPStore) -> None:
+def test_a_frame_past_the_bounds_or_tensors_that_cannot_take_one_are_refused_and_the_link_stays_in_step(
+        store: dist.TCPStore) -> None:
     server = PeerServer("solo", rank=0, role="server", store=store, timeout_s=SAFETY_S,
                         limits=Limits(max_payload=1024))
     received: list[Any] = []
@@ -367,6 +368,17 @@ def test_a_frame_past_the_bounds_is_refused_where_it_is_sent(store: dist.TCPStor
     link.send(ECHO, [torch.zeros(256)])  # the largest that fits goes through
     serving.join(SAFETY_S)
     assert received[0] is not None and received[0][1].tensors[0].numel() == 256
+    # Tensors that cannot take a frame are refused once it has been read whole: the link stays in step.
+    peer = received[0][0]
+    server.send(peer, ECHO, [torch.arange(6.0)])
+    server.send(peer, ECHO, [torch.arange(6.0)])
+    with pytest.raises(ValueError, match=r"at \[0\] to receive rank 0 \(server\)'s frame into are not contiguous"):
+        link.receive(into=[torch.empty(6, 2)[:, 0]])
+    with pytest.raises(ValueError, match=r"rank 0 \(server\) sent tensors \[\(torch.float32, \(6,\)\)\], the receiver "
+                                         r"expected \[\(torch.float32, \(3,\)\)\]"):
+        link.receive(into=[torch.empty(3)])
+    link.send(ECHO, [torch.ones(2)])
+    assert same_bits(server.receive(timeout_s=SAFETY_S)[1].tensors[0], torch.ones(2))  # type: ignore[index]
     link.close()
     server.close()
 
