@@ -18,6 +18,7 @@ THREADS = "REPLICATOR_THREADS"  # torch threads per process, set by the launcher
 PROGRESS = "REPLICATOR_PROGRESS"  # 0: no progress bar or breakdown table
 PROGRESS_EVERY = "REPLICATOR_PROGRESS_EVERY"  # stdout not a terminal: a progress line every N steps or "Ns"
 LOCAL_LINK = "REPLICATOR_LOCAL_LINK"  # 0: keep every message on the group's backend
+PEER_LINK = "REPLICATOR_PEER_LINK"  # 0: peers exchange frames over Gloo point-to-point, not sockets
 ATTEMPT = "REPLICATOR_ATTEMPT"  # which restart of the job this is, set by the launcher
 MAX_RESTARTS = "REPLICATOR_MAX_RESTARTS"  # the launcher's --max-restarts, for the job to read
 RUNS = "REPLICATOR_RUNS"  # where run() records its runs (default "runs"); 0 records none
@@ -104,6 +105,11 @@ def progress_every() -> tuple[int | None, float | None]:
 def local_link() -> bool:
     """REPLICATOR_LOCAL_LINK=0 keeps every message on the group's backend."""
     return os.environ.get(LOCAL_LINK, "1") != "0"
+
+
+def peer_link() -> bool:
+    """REPLICATOR_PEER_LINK=0 carries the peer link's frames over Gloo instead of sockets."""
+    return os.environ.get(PEER_LINK, "1") != "0"
 
 
 def attempt() -> int:

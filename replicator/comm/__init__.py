@@ -1,1 +1,1 @@
-"""How processes talk: collectives, Unix-socket links, agreement checks and packed point-to-point messages."""
+"""How processes talk: collectives, Unix-socket and peer links, agreement checks, packed point-to-point messages."""
