@@ -75,6 +75,7 @@ class GradientSynchronizer:
         count: UpdateCount,
         on_wait: Callable[[float], None] = lambda seconds: None,
         debug: bool = False,
+        shard: str | None = None,
     ) -> None:
         self.group = group
         self.size = 1 if group is None else dist.get_world_size(group)
@@ -86,6 +87,11 @@ class GradientSynchronizer:
         self.count = count  # this optimizer's step() calls
         self.on_wait = on_wait
         self.debug = debug
+        # shard="gradients" (replicator.sync.sharding): after the average, this replica keeps its slices through
+        # keep_slices(buckets, counts); the full buckets are released, and .grad freed as each bucket takes it.
+        self.releases = shard == "gradients" and self.size > 1
+        self.keep_slices: Callable[[list[Bucket], list[list[float] | None]], None] | None = None
+        self.slices_finite: Callable[[], bool] | None = None
         unique = list({id(p): p for p in params}.values())
         self.params = [p for p in unique if p.requires_grad]
         self.frozen = [p for p in unique if not p.requires_grad]
@@ -95,8 +101,10 @@ class GradientSynchronizer:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._reopen_hooks: list[torch.utils.hooks.RemovableHandle] = []  # armed after an accumulated average
         if self.size > 1:
+            # Released buckets are plain tensors: a reducer's shared mappings would outlive the release.
+            allocate = None if self.releases else getattr(reducer, "allocate", None)
             self.buckets = assign_buckets(self.params, bucket_cap_bytes, min(_FIRST_BUCKET_BYTES, bucket_cap_bytes),
-                                          getattr(reducer, "allocate", None))
+                                          allocate)
             for bucket in self.buckets:
                 for position, param in enumerate(bucket.params):
                     self._location[id(param)] = (bucket, position)
@@ -168,9 +176,13 @@ class GradientSynchronizer:
         bucket, position = self._location[id(param)]
         if bucket.launched or position in bucket.ready or self._reduced:
             # A second gradient in this window: finish this round, then reduce afresh.
+            self._refuse_second_round()
             self._finish_round()
             self._start_round()
+        bucket.ensure_buffer()
         bucket.load(position, self._scale())
+        if self.releases:  # its bucket holds it now: the full-size gradient need not outlive the backward pass
+            param.grad = None
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].complete:
             self._launch(self.buckets[self._next_bucket])
 
@@ -219,6 +231,7 @@ class GradientSynchronizer:
     def _finish_round(self) -> None:
         """Launch every bucket not yet launched this round, in order, with what it has; wait for them all."""
         for bucket in self.buckets[self._next_bucket :]:
+            bucket.ensure_buffer()
             for position in range(len(bucket.params)):
                 if position not in bucket.ready:
                     bucket.load(position, self._scale())
@@ -301,6 +314,16 @@ class GradientSynchronizer:
             return
         self._gather_sparse_of_known_modules()
         self._finish_round()
+        if self.keep_slices is not None:  # shard="gradients": only this replica's slices of the average stay
+            presence: list[list[float] | None] = [None if all(bucket.flags) else bucket.presence().tolist()
+                                                  for bucket in self.buckets]
+            self.keep_slices(self.buckets, presence)
+            for param in self.params:
+                param.grad = None
+            for bucket in self.buckets:
+                bucket.release_buffer()
+            self._reduced = True
+            return
         sparse = self._sum_sparse()
         for bucket in self.buckets:
             # Counts are read back only where this replica had no gradient of its own.
@@ -374,6 +397,8 @@ class GradientSynchronizer:
 
     def gradients_finite(self) -> bool:
         """After finalize(): are all averaged gradients finite? The same answer on every replica."""
+        if self.slices_finite is not None:
+            return self.slices_finite()
         if self.size > 1:
             sparse = [p.grad._values() for p in self.params if p.grad is not None and p.grad.is_sparse]
             return all_finite([*(bucket.buffer[: bucket.numel] for bucket in self.buckets), *sparse])
@@ -384,11 +409,21 @@ class GradientSynchronizer:
         GradientState.grad_scale) and reduce afresh, so that they add up with the new pass's scaled gradients."""
         if not self._reduced:
             return
+        self._refuse_second_round()
         with torch.no_grad():
             for param in self.params:
                 if param.grad is not None:
                     param.grad.mul_(factor)  # in place: a view of its bucket, which the next round reloads
         self._start_round()
+
+    def _refuse_second_round(self) -> None:
+        """shard="gradients" keeps no full gradient to reduce again: a second round in one update cannot be done."""
+        if self.releases:
+            raise ReplicatorUsageError(
+                f"a second backward pass added gradients to {self.label} after they were reduced in this update (at "
+                f"{_backward_site()}, replica {self.agreement.rank}); with shard='gradients' each replica keeps only "
+                "its slice of the average, so there is nothing to add them to. Sum the losses into one backward(), "
+                "accumulate with repl.accumulate(n) or no_sync(), or use shard='optimizer'")
 
     def end_window(self, discard: bool = False) -> None:
         """Close the window after `step` (or `zero_grad`, which discards its reductions).
@@ -400,6 +435,9 @@ class GradientSynchronizer:
             self._finish_round()
         self._disarm_reopen()
         self._start_round()
+        if self.releases:
+            for bucket in self.buckets:
+                bucket.release_buffer()
         self._window_open = False
         self._rounds = 0
         self._finalize_pass = None  # one that raised before its end never ran its callback

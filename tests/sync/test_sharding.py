@@ -1,0 +1,224 @@
+"""shard="optimizer" / "gradients" (ZeRO-1/2): bit for bit what shard=None gives, with 1/N of the optimizer state.
+
+Why bit for bit: both levels reduce every bucket with the same reducer as shard=None (the same
+additions in the same order: the shared-memory reducer's owner of a slice sums the rows of that
+slice with one `sum(dim=0)`, Gloo's all-reduce the same way on every run), and each replica then
+applies the optimizer's element-wise arithmetic to its slice of the same averaged gradient.
+Against one process the summation order differs, so there the comparison has a tolerance.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import replicator as rp
+from replicator.testing import run_replicas
+
+GLOBAL_BATCH = 12  # divides by 1, 2, 3
+STEPS = 4
+LRS = (0.05, 0.1)
+EPS = torch.finfo(torch.float32).eps
+# Against one process: each update's averaged gradient differs by a few ulps of summation order
+# (log2(GLOBAL_BATCH) < 4 roundings, relative); Adam's normalisation turns that into at most
+# ~1e2 relative error of the step where |grad| approaches its eps; STEPS updates of size <= lr add up.
+ONE_PROCESS_ATOL = STEPS * max(LRS) * 1e2 * 4 * EPS
+
+
+class Net(torch.nn.Module):
+    """Tied weights, a frozen layer, a parameter of one element (fewer than the replicas)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode = torch.nn.Linear(6, 6)
+        self.frozen = torch.nn.Linear(6, 6).requires_grad_(False)
+        self.hidden = torch.nn.Linear(6, 16)
+        self.head = torch.nn.Linear(16, 6)
+        self.decode = torch.nn.Linear(6, 6, bias=False)
+        self.decode.weight = self.encode.weight  # tied
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.frozen(torch.tanh(self.encode(x))))
+        return self.decode(self.head(torch.tanh(self.hidden(h)))) * self.scale
+
+
+def param_groups(model: Net) -> list[dict[str, Any]]:
+    """Two groups with different learning rates, interleaved in the buckets' order."""
+    first = [model.encode.weight, model.encode.bias, model.head.weight, model.frozen.weight]
+    second = [model.hidden.weight, model.hidden.bias, model.head.bias, model.scale]
+    return [{"params": first, "lr": LRS[0]}, {"params": second, "lr": LRS[1]}]
+
+
+def make_optimizer(kind: str, model: Net) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(param_groups(model), lr=LRS[0], momentum=0.9, weight_decay=0.01)
+    return torch.optim.AdamW(param_groups(model), lr=LRS[0], weight_decay=0.1)
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(GLOBAL_BATCH, 6, generator=generator), torch.randn(GLOBAL_BATCH, 6, generator=generator)
+
+
+def parameters_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def reference(kind: str) -> list[torch.Tensor]:
+    """One process, the whole batch each step."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = make_optimizer(kind, model)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return parameters_of(model)
+
+
+def train(case: str, shard: str | None) -> dict[str, Any]:
+    """Inside a replica: train `case` with `shard`; the parameters, the (gathered) optimizer state and what was seen."""
+    kind = "adamw" if case in ("adamw", "clip", "buckets", "skip") else "sgd"
+    micro_steps = 2 if case == "accumulate" else 1
+    repl = rp.Replicator(shard=shard, nonfinite="skip" if case == "skip" else "raise",
+                         bucket_cap_mb=0.0005 if case == "buckets" else 25.0)  # ~130 elements a bucket: several
+    with repl.scope():
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = repl.wrap_optimizer(make_optimizer(kind, model))
+    repl.accumulate(micro_steps)
+    seen: dict[str, Any] = {"grads_after_backward": []}
+
+    def input_fn(ctx: rp.InputContext):
+        share = ctx.per_replica_batch_size(GLOBAL_BATCH)
+        micro = share // micro_steps
+        for step in range(STEPS):
+            x, y = global_batch(step)
+            if case == "skip" and step == 1 and ctx.input_pipeline_id == ctx.num_input_pipelines - 1:
+                x = x.clone()
+                x[-1, 0] = float("nan")  # the last replica's batch only: every replica must skip this update
+            mine = slice(ctx.input_pipeline_id * share, (ctx.input_pipeline_id + 1) * share)
+            for m in range(micro_steps):
+                part = slice(m * micro, (m + 1) * micro)
+                yield x[mine][part], y[mine][part]
+
+    def step_fn(ctx: rp.ReplicaContext, batch: Any) -> Any:
+        x, y = batch
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        seen["grads_after_backward"].append(sum(p.grad is not None for p in model.parameters()))
+        if case == "clip":
+            seen.setdefault("norms", []).append(float(repl.clip_grad_norm_(model.parameters(), 0.05)))
+        optimizer.step()
+        return None
+
+    for _ in repl.run(step_fn, repl.prepare_input(input_fn), record=False):
+        pass
+    sharded = repl.optimizers.wrapped[0].sharded
+    if sharded is not None:
+        seen["state_bytes"] = sharded.state_bytes()
+        seen["pieces"] = len(sharded.pieces)
+        seen["groups_in_slice"] = sum(bool(group["params"]) for group in sharded.shard.param_groups)
+    seen["user_state_entries"] = len(optimizer.state)
+    seen["trainable"] = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad)
+    state = optimizer.state_dict()["state"]
+    seen["state"] = {number: {key: value.clone() if isinstance(value, torch.Tensor) else value
+                              for key, value in entry.items()} for number, entry in state.items()}
+    repl.close()
+    return {"params": parameters_of(model), **seen}
+
+
+CASES = ("sgd", "adamw", "clip", "accumulate", "skip", "buckets")
+
+
+def all_levels(cases: tuple[str, ...]) -> dict[tuple[str, str | None], dict[str, Any]]:
+    return {(case, shard): train(case, shard) for case in cases for shard in (None, "optimizer", "gradients")}
+
+
+def same_state(a: dict[Any, dict[str, Any]], b: dict[Any, dict[str, Any]]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for number in a:
+        if a[number].keys() != b[number].keys():
+            return False
+        for key, value in a[number].items():
+            other = b[number][key]
+            if isinstance(value, torch.Tensor):
+                if not (isinstance(other, torch.Tensor) and value.shape == other.shape and torch.equal(value, other)):
+                    return False
+            elif value != other:
+                return False
+    return True
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_sharded_levels_match_unsharded_bit_for_bit(replicas: int) -> None:
+    results = run_replicas(all_levels, replicas, CASES, timeout_s=400)
+    for case in CASES:
+        for replica, result in enumerate(results):
+            plain = result[(case, None)]
+            for shard in ("optimizer", "gradients"):
+                got = result[(case, shard)]
+                where = f"{case}, shard={shard!r}, replica {replica} of {replicas}"
+                if case == "clip" and shard == "gradients":
+                    # The norm is summed from the slices (one all-reduce), in another order than from the whole
+                    # gradients: the clip factor may differ in its last bits, relative <= elements * eps.
+                    atol = STEPS * max(LRS) * got["trainable"] * EPS
+                    assert all(torch.allclose(g, e, atol=atol, rtol=0) for g, e in zip(got["params"], plain["params"]))
+                    assert got["norms"] == pytest.approx(plain["norms"], rel=got["trainable"] * EPS), where
+                    continue
+                assert all(torch.equal(g, e) for g, e in zip(got["params"], plain["params"])), where
+                # The gathered state is the whole state, equal to what every unsharded replica holds.
+                assert same_state(got["state"], plain["state"]), where
+                assert got["user_state_entries"] == 0, where  # the user's optimizer holds none of it
+                if case == "clip":
+                    assert got["norms"] == plain["norms"], where  # "optimizer": the whole averages, as unsharded
+        initial = parameters_of(_initial())
+        assert any(not torch.equal(p, q) for p, q in zip(results[0][(case, None)]["params"], initial)), case
+    # "gradients" frees every .grad by the end of the backward pass that averages; "optimizer" keeps the averages,
+    # in all 7 trainable tensors (encode.weight tied to decode.weight, encode.bias, hidden.*, head.*, scale).
+    assert all(n == 0 for n in results[0][("sgd", "gradients")]["grads_after_backward"])
+    assert all(n == 7 for n in results[0][("sgd", "optimizer")]["grads_after_backward"])
+    # Some replica's slice holds parameters of both groups (a slice crosses the groups' boundary).
+    assert any(result[("adamw", "optimizer")]["groups_in_slice"] == 2 for result in results)
+
+
+def _initial() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_optimizer_state_per_replica_is_one_nth(replicas: int) -> None:
+    results = run_replicas(all_levels, replicas, ("adamw",), timeout_s=240)
+    trainable = results[0][("adamw", None)]["trainable"]
+    presence_slots = 7  # one per trainable tensor, after the gradients in the bucket: slices are cut from both
+    for result in results:
+        assert result[("adamw", None)]["user_state_entries"] == 7  # unsharded: every tensor's state, everywhere
+        for shard in ("optimizer", "gradients"):
+            got = result[("adamw", shard)]
+            # AdamW: exp_avg and exp_avg_sq (8 bytes an element) for the slice, plus a 4-byte step per piece.
+            slice_bytes = got["state_bytes"] - 4 * got["pieces"]
+            assert slice_bytes % 8 == 0
+            assert abs(slice_bytes / 8 - trainable / replicas) <= presence_slots + 1, (shard, slice_bytes)
+    totals = {shard: sum(r[("adamw", shard)]["state_bytes"] - 4 * r[("adamw", shard)]["pieces"] for r in results)
+              for shard in ("optimizer", "gradients")}
+    assert totals == {"optimizer": 8 * trainable, "gradients": 8 * trainable}  # every element's state, once
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_sharded_levels_match_one_process(replicas: int) -> None:
+    results = run_replicas(all_levels, replicas, ("sgd", "adamw"), timeout_s=240)
+    for kind in ("sgd", "adamw"):
+        expected = reference(kind)
+        for shard in ("optimizer", "gradients"):
+            for got in (result[(kind, shard)]["params"] for result in results):
+                for g, e in zip(got, expected):
+                    assert torch.allclose(g, e, atol=ONE_PROCESS_ATOL, rtol=0), (kind, shard, (g - e).abs().max())
