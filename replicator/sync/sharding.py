@@ -26,6 +26,7 @@ any N and shard levels.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -129,12 +130,14 @@ class ShardedOptimizer:
         groups = [{**{k: v for k, v in group.items() if k != "params"},
                    "params": [self.pieces[id(p)].tensor for p in group["params"] if id(p) in self.pieces]}
                   for group in optimizer.param_groups]
+        # Every group carries all its options; the constructor gets those it takes (AdamW's defaults hold one not).
+        accepted = inspect.signature(type(optimizer)).parameters
         try:
-            self.shard = type(optimizer)(groups, **optimizer.defaults)
+            self.shard = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
         except (TypeError, ValueError) as error:
             raise ReplicatorUsageError(
                 f"shard={level!r} builds a second {type(optimizer).__name__} over this replica's slices, as "
-                f"type(optimizer)(param_groups, **optimizer.defaults), and that failed: {error}. Give the optimizer "
+                f"type(optimizer)(param_groups, **options), and that failed: {error}. Give the optimizer "
                 "a constructor that takes its defaults as keywords, or drop shard=") from error
         # shard="gradients": this replica's slice of each bucket's average, and which parameters had a gradient.
         self.slices: list[torch.Tensor] = []
@@ -193,8 +196,8 @@ class ShardedOptimizer:
             powered = norm.to(torch.float64) ** norm_type
             dist.all_reduce(powered, group=self.group)
             norm = (powered ** (1.0 / norm_type)).to(norm.dtype)
-        if grads:
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+        if grads:  # torch.nn.utils.clip_grads_with_norm_'s arithmetic, on the slices themselves
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         return norm
 
     def _gather(self, local: Callable[[torch.nn.Parameter], torch.Tensor],
