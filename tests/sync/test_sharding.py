@@ -87,7 +87,9 @@ def train(case: str, shard: str | None) -> dict[str, Any]:
     kind = "adamw" if case in ("adamw", "clip", "buckets", "skip") else "sgd"
     micro_steps = 2 if case == "accumulate" else 1
     repl = rp.Replicator(shard=shard, nonfinite="skip" if case == "skip" else "raise",
-                         bucket_cap_mb=0.0005 if case == "buckets" else 25.0)  # ~130 elements a bucket: several
+                         bucket_cap_mb=0.0005 if case == "buckets" else 25.0,  # ~130 elements a bucket: several
+                         reducer="flat" if case == "flat" else "auto",  # auto: shared memory here
+                         uneven_batches="weighted" if case == "weighted" else "refuse")
     with repl.scope():
         torch.manual_seed(0)
         model = Net()
@@ -99,6 +101,12 @@ def train(case: str, shard: str | None) -> dict[str, Any]:
         share = ctx.per_replica_batch_size(GLOBAL_BATCH)
         micro = share // micro_steps
         for step in range(STEPS):
+            if case == "weighted":  # replica r takes 2 + 2r... of the batch's samples (N = 2: 5 and 7; 3: 2, 4, 6)
+                sizes = [5, 7] if ctx.num_input_pipelines == 2 else [2, 4, 6]
+                x, y = global_batch(step)
+                start = sum(sizes[: ctx.input_pipeline_id])
+                yield x[start : start + sizes[ctx.input_pipeline_id]], y[start : start + sizes[ctx.input_pipeline_id]]
+                continue
             x, y = global_batch(step)
             if case == "skip" and step == 1 and ctx.input_pipeline_id == ctx.num_input_pipelines - 1:
                 x = x.clone()
@@ -111,8 +119,13 @@ def train(case: str, shard: str | None) -> dict[str, Any]:
     def step_fn(ctx: rp.ReplicaContext, batch: Any) -> Any:
         x, y = batch
         optimizer.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
+        if case == "no_sync":  # the first half's gradients stay local; the second backward averages both
+            half = x.shape[0] // 2
+            with repl.no_sync():
+                (0.5 * F.mse_loss(model(x[:half]), y[:half])).backward()
+            (0.5 * F.mse_loss(model(x[half:]), y[half:])).backward()
+        else:
+            F.mse_loss(model(x), y).backward()
         seen["grads_after_backward"].append(sum(p.grad is not None for p in model.parameters()))
         if case == "clip":
             seen.setdefault("norms", []).append(float(repl.clip_grad_norm_(model.parameters(), 0.05)))
@@ -135,7 +148,7 @@ def train(case: str, shard: str | None) -> dict[str, Any]:
     return {"params": parameters_of(model), **seen}
 
 
-CASES = ("sgd", "adamw", "clip", "accumulate", "skip", "buckets")
+CASES = ("sgd", "adamw", "clip", "accumulate", "skip", "buckets", "flat", "no_sync", "weighted")
 
 
 def all_levels(cases: tuple[str, ...]) -> dict[tuple[str, str | None], dict[str, Any]]:
@@ -222,3 +235,87 @@ def test_sharded_levels_match_one_process(replicas: int) -> None:
             for got in (result[(kind, shard)]["params"] for result in results):
                 for g, e in zip(got, expected):
                     assert torch.allclose(g, e, atol=ONE_PROCESS_ATOL, rtol=0), (kind, shard, (g - e).abs().max())
+
+
+def test_gradients_level_keeps_slices_and_releases_buckets() -> None:
+    results = run_replicas(memory_of_gradients, 3, timeout_s=240)
+    trainable = results[0]["trainable"]
+    assert sum(result["slice_elements"] for result in results) == trainable  # each averaged element, once
+    for result in results:
+        assert result["grads"] == 0  # no full-size .grad after the backward pass that averages
+        assert result["bucket_elements_between_steps"] == 0  # the transport buckets are released
+
+
+def memory_of_gradients() -> dict[str, int]:
+    repl = rp.Replicator(shard="gradients", bucket_cap_mb=0.0005)
+    with repl.scope():
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = repl.wrap_optimizer(make_optimizer("adamw", model))
+    seen: dict[str, int] = {}
+
+    def step_fn(ctx: rp.ReplicaContext, batch: Any) -> None:
+        x, y = batch
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        sharded = repl.optimizers.wrapped[0].sharded
+        assert sharded is not None
+        seen["slice_elements"] = sum(piece.numel() for piece in sharded.slices)
+        seen["grads"] = sum(p.grad is not None for p in model.parameters())
+        optimizer.step()
+
+    batches = [global_batch(step) for step in range(2)]
+    share = GLOBAL_BATCH // repl.num_replicas
+    mine = slice(repl.replica_id * share, (repl.replica_id + 1) * share)
+    for _ in repl.run(step_fn, [(x[mine], y[mine]) for x, y in batches], record=False):
+        pass
+    seen["bucket_elements_between_steps"] = sum(b.buffer.numel() for b in repl.optimizers.wrapped[0].synchronizer.buckets)
+    seen["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    repl.close()
+    return seen
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    ({"shard": "zero2"}, r"unknown shard='zero2'; choose None .*'optimizer' \(ZeRO-1.*'gradients' \(ZeRO-2"),
+    ({"shard": "parameters"}, r"shard='parameters' \(ZeRO-3.*not available yet.*'optimizer'.*'gradients'"),
+    ({"shard": "optimizer", "mode": "async", "parameter_servers": 1}, r"mode='sync' only, not mode='async'"),
+    ({"shard": "gradients", "mode": "actor_learner", "actors": 1}, r"mode='sync' only, not mode='actor_learner'"),
+    ({"shard": "gradients", "stages": 2}, r"stages=2 is not available yet"),
+])
+def test_bad_shard_arguments_are_refused_before_the_job_starts(arguments: dict[str, Any], message: str) -> None:
+    with pytest.raises(rp.ReplicatorUsageError, match=message):
+        rp.Replicator(**arguments)
+
+
+def refusals() -> list[str]:
+    """Inside a replica: what a slice-less reducer and sparse gradients raise, before any update."""
+    found = []
+    try:
+        rp.Replicator(shard="optimizer", reducer="powersgd:2")
+    except rp.ReplicatorUsageError as error:
+        found.append(str(error))
+    repl = rp.Replicator(shard="gradients")
+    with repl.scope():
+        embedding = torch.nn.Embedding(10, 4, sparse=True)
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(embedding.parameters(), lr=0.1))
+    before = embedding.weight.detach().clone()
+
+    def step_fn(ctx: rp.ReplicaContext, batch: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        embedding(batch).sum().backward()
+        optimizer.step()
+
+    try:
+        for _ in repl.run(step_fn, [torch.tensor([1, 2])], record=False):
+            pass
+    except rp.ReplicatorUsageError as error:
+        found.append(str(error))
+    found.append(str(torch.equal(before, embedding.weight.detach())))
+    return found
+
+
+def test_slice_less_reducers_and_sparse_gradients_are_refused_on_every_replica() -> None:
+    for found in run_replicas(refusals, 2, timeout_s=120):
+        assert "cannot use reducer 'powersgd:2'" in found[0]
+        assert "cannot slice the sparse gradients of" in found[1] and "sparse_as_dense=True" in found[1]
+        assert found[2] == "True"  # refused before any update
