@@ -65,6 +65,11 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(GLOBAL_BATCH, 6, generator=generator), torch.randn(GLOBAL_BATCH, 6, generator=generator)
 
 
+def cloned(state: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
+    return {number: {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in entry.items()}
+            for number, entry in state.items()}
+
+
 def parameters_of(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
@@ -141,9 +146,7 @@ def train(case: str, shard: str | None) -> dict[str, Any]:
         seen["groups_in_slice"] = sum(bool(group["params"]) for group in sharded.shard.param_groups)
     seen["user_state_entries"] = len(optimizer.state)
     seen["trainable"] = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad)
-    state = optimizer.state_dict()["state"]
-    seen["state"] = {number: {key: value.clone() if isinstance(value, torch.Tensor) else value
-                              for key, value in entry.items()} for number, entry in state.items()}
+    seen["state"] = cloned(optimizer.state_dict()["state"])
     repl.close()
     return {"params": parameters_of(model), **seen}
 
@@ -269,7 +272,8 @@ def memory_of_gradients() -> dict[str, int]:
     mine = slice(repl.replica_id * share, (repl.replica_id + 1) * share)
     for _ in repl.run(step_fn, [(x[mine], y[mine]) for x, y in batches], record=False):
         pass
-    seen["bucket_elements_between_steps"] = sum(b.buffer.numel() for b in repl.optimizers.wrapped[0].synchronizer.buckets)
+    buckets = repl.optimizers.wrapped[0].synchronizer.buckets
+    seen["bucket_elements_between_steps"] = sum(bucket.buffer.numel() for bucket in buckets)
     seen["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     repl.close()
     return seen
@@ -319,3 +323,51 @@ def test_slice_less_reducers_and_sparse_gradients_are_refused_on_every_replica()
         assert "cannot use reducer 'powersgd:2'" in found[0]
         assert "cannot slice the sparse gradients of" in found[1] and "sparse_as_dense=True" in found[1]
         assert found[2] == "True"  # refused before any update
+
+
+def checkpointed(directory: str, shard: str | None, resume: bool) -> dict[str, Any]:
+    """Inside a replica: AdamW for STEPS steps, saving after 2 (resume=False), or resuming from that save."""
+    repl = rp.Replicator(shard=shard)
+    with repl.scope():
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = repl.wrap_optimizer(make_optimizer("adamw", model))
+    found: dict[str, Any] = {}
+    if resume:
+        repl.restore(f"{directory}/saved")
+        found["restored_state"] = cloned(optimizer.state_dict()["state"])  # torch's state_dict shares the tensors
+
+    def step_fn(ctx: rp.ReplicaContext, batch: Any) -> None:
+        x, y = batch
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+    share = GLOBAL_BATCH // repl.num_replicas
+    mine = slice(repl.replica_id * share, (repl.replica_id + 1) * share)
+    batches = [(x[mine], y[mine]) for x, y in (global_batch(step) for step in range(STEPS))]
+    for step, _ in repl.run(step_fn, batches, steps=STEPS, record=False):
+        if step == 2 and not resume:
+            repl.save(f"{directory}/saved")
+            found["saved_state"] = cloned(optimizer.state_dict()["state"])
+    found["params"] = parameters_of(model)
+    repl.close()
+    return found
+
+
+def test_checkpoints_move_between_replica_counts_and_levels() -> None:
+    """Saved at N = 3 with shard="gradients" (the whole state, gathered); resumed at N = 2 with each level and at
+    N = 1: the restored state is the saved one, and the levels resume bit for bit alike."""
+    with tempfile.TemporaryDirectory() as directory:
+        uninterrupted = run_replicas(checkpointed, 3, directory, "gradients", False, timeout_s=240)[0]
+        resumed = {shard: run_replicas(checkpointed, 2, directory, shard, True, timeout_s=240)
+                   for shard in (None, "optimizer", "gradients")}
+        alone = run_replicas(checkpointed, 1, directory, None, True, timeout_s=240)[0]
+    for shard, results in resumed.items():
+        for result in results:
+            assert same_state(result["restored_state"], uninterrupted["saved_state"]), shard
+            assert all(torch.equal(g, e) for g, e in zip(result["params"], resumed[None][0]["params"])), shard
+    assert same_state(alone["restored_state"], uninterrupted["saved_state"])
+    for got in (resumed["gradients"][0]["params"], alone["params"]):
+        for g, e in zip(got, uninterrupted["params"]):  # other replica counts: other summation orders
+            assert torch.allclose(g, e, atol=ONE_PROCESS_ATOL, rtol=0), (g - e).abs().max()
