@@ -18,7 +18,7 @@ from replicator.context import ReplicaContext
 from replicator.errors import NonFiniteError, ReplicatorUsageError
 from replicator.nn.spectral import spectral_normed
 from replicator.sync.reducers import Reducer
-from replicator.sync.sharding import ShardedOptimizer, check_reducer
+from replicator.sync.sharding import SHARDED, ShardedOptimizer, check_reducer
 from replicator.sync.sparse import sparse_parameters
 from replicator.sync.state import GradientState, UpdateCount
 from replicator.sync.synchronizer import GradientSynchronizer
@@ -191,6 +191,7 @@ class SyncedOptimizers:
         optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
         optimizer.add_param_group = types.MethodType(add_param_group, optimizer)  # type: ignore[method-assign]
         if self.shard is not None and synchronizer.size > 1:  # checkpoints hold the whole state, whatever the layout
+            SHARDED.add(optimizer)
             original_state_dict, original_load = optimizer.state_dict, optimizer.load_state_dict
             optimizer.state_dict = lambda: self._sharded(wrapped).state_dict(  # type: ignore[method-assign,union-attr]
                 original_state_dict)

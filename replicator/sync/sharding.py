@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -41,12 +42,14 @@ from replicator.health import all_finite
 from replicator.sync.bucket import Bucket
 from replicator.sync.synchronizer import GradientSynchronizer
 
-__all__ = ["SHARD_LEVELS", "check_shard", "check_reducer", "ShardedOptimizer", "slice_bounds"]
+__all__ = ["SHARD_LEVELS", "SHARDED", "check_shard", "check_reducer", "ShardedOptimizer", "slice_bounds"]
 
 SHARD_LEVELS = {
     "optimizer": "ZeRO-1: each replica keeps 1/N of the optimizer state",
     "gradients": "ZeRO-2: 1/N of the optimizer state and of the averaged gradients",
 }
+# The wrapped optimizers whose state is sharded: no replica holds the whole of it (repl.broadcast_state refuses them).
+SHARDED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _CHOICES = "None (every replica keeps everything), " + ", ".join(f"{k!r} ({v})" for k, v in SHARD_LEVELS.items())
 
 

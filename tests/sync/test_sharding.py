@@ -315,14 +315,23 @@ def refusals() -> list[str]:
     except rp.ReplicatorUsageError as error:
         found.append(str(error))
     found.append(str(torch.equal(before, embedding.weight.detach())))
+    repl = rp.Replicator(shard="optimizer")
+    with repl.scope():
+        model = Net()
+        optimizer = repl.wrap_optimizer(make_optimizer("adamw", model))
+    try:
+        repl.broadcast_state(model, optimizer)
+    except rp.ReplicatorUsageError as error:
+        found.append(str(error))
     return found
 
 
-def test_slice_less_reducers_and_sparse_gradients_are_refused_on_every_replica() -> None:
+def test_slice_less_reducers_sparse_gradients_and_broadcast_state_are_refused_on_every_replica() -> None:
     for found in run_replicas(refusals, 2, timeout_s=120):
         assert "cannot use reducer 'powersgd:2'" in found[0]
         assert "cannot slice the sparse gradients of" in found[1] and "sparse_as_dense=True" in found[1]
         assert found[2] == "True"  # refused before any update
+        assert "cannot copy replica 0's state of an optimizer wrapped with shard=" in found[3]
 
 
 def checkpointed(directory: str, shard: str | None, resume: bool) -> dict[str, Any]:
