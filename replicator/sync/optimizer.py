@@ -102,8 +102,8 @@ class SyncedOptimizers:
                                             self.shard)
         wrapped = WrappedOptimizer(optimizer, synchronizer, count, len(params))
         if self.shard == "gradients" and synchronizer.size > 1:  # the average is kept as slices from the first one
-            synchronizer.keep_slices = lambda buckets, counts: self._sharded(wrapped).keep_slices(  # type: ignore
-                buckets, counts)
+            synchronizer.keep_slice = lambda bucket, counts: self._sharded(wrapped).keep_slice(  # type: ignore
+                bucket, counts)
             synchronizer.slices_finite = lambda: self._sharded(wrapped).slices_finite()  # type: ignore[union-attr]
         for param in params:
             self.owner[id(param)] = wrapped

@@ -143,26 +143,25 @@ class ShardedOptimizer:
                 f"type(optimizer)(param_groups, **options), and that failed: {error}. Give the optimizer "
                 "a constructor that takes its defaults as keywords, or drop shard=") from error
         # shard="gradients": this replica's slice of each bucket's average, and which parameters had a gradient.
-        self.slices: list[torch.Tensor] = []
-        self.present: list[list[bool]] = []
+        self.slices: dict[int, torch.Tensor] = {}  # by bucket index
+        self.present: dict[int, list[bool]] = {}
 
     # -- shard="gradients": the average kept as slices ------------------------------------
-    def keep_slices(self, buckets: list[Bucket], counts: list[list[float] | None]) -> None:
-        """Copy this replica's slice of each reduced bucket out, note which parameters had a gradient anywhere."""
-        self.slices = [bucket.buffer[bounds[self.rank][0] : bounds[self.rank][1]].clone()
-                       for bucket, bounds in zip(buckets, self.bounds)]
-        self.present = [[True] * len(bucket.params) if count is None else [c != 0 for c in count]
-                        for bucket, count in zip(buckets, counts)]
+    def keep_slice(self, bucket: Bucket, counts: list[float] | None) -> None:
+        """Copy this replica's slice of a reduced bucket out; note which parameters had a gradient on any replica."""
+        start, stop = self.bounds[bucket.index][self.rank]
+        self.slices[bucket.index] = bucket.buffer[start:stop].clone()
+        self.present[bucket.index] = [True] * len(bucket.params) if counts is None else [c != 0 for c in counts]
 
     def slices_finite(self) -> bool:
         """Are all averaged gradients finite? Each replica checks its slices; the verdict is everyone's together."""
-        flag = torch.tensor([float(all_finite(self.slices))])
+        flag = torch.tensor([float(all_finite(self.slices.values()))])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag)
 
     def _gradient_of(self, piece: _Piece) -> torch.Tensor | None:
         if self.level == "gradients":
-            if not self.present or not self.present[piece.bucket][piece.position]:
+            if piece.bucket not in self.present or not self.present[piece.bucket][piece.position]:
                 return None
             start = self.bounds[piece.bucket][self.rank][0]
             return self.slices[piece.bucket][piece.start - start : piece.stop - start]
@@ -184,7 +183,7 @@ class ShardedOptimizer:
         finally:
             for piece in self.pieces.values():
                 piece.tensor.grad = None
-        self.slices, self.present = [], []
+        self.slices, self.present = {}, {}
         self._gather(lambda param: param.detach(), self._into_parameters)
         return result
 

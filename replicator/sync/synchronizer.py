@@ -87,10 +87,10 @@ class GradientSynchronizer:
         self.count = count  # this optimizer's step() calls
         self.on_wait = on_wait
         self.debug = debug
-        # shard="gradients" (replicator.sync.sharding): after the average, this replica keeps its slices through
-        # keep_slices(buckets, counts); the full buckets are released, and .grad freed as each bucket takes it.
+        # shard="gradients" (replicator.sync.sharding): .grad is freed as its bucket takes it, and each bucket, once
+        # averaged, hands this replica's slice to keep_slice(bucket, presence counts) and is released.
         self.releases = shard == "gradients" and self.size > 1
-        self.keep_slices: Callable[[list[Bucket], list[list[float] | None]], None] | None = None
+        self.keep_slice: Callable[[Bucket, list[float] | None], None] | None = None
         self.slices_finite: Callable[[], bool] | None = None
         unique = list({id(p): p for p in params}.values())
         self.params = [p for p in unique if p.requires_grad]
@@ -227,6 +227,9 @@ class GradientSynchronizer:
                 {"bucket": bucket.index, "optimizer": self.label, "step": self.state.step, "round": self._rounds,
                  "bytes": bucket.numel * bucket.buffer.element_size(), "reducer": getattr(self.reducer, "name", "")})
         self._next_bucket = bucket.index + 1
+        if self.releases and bucket.index > 0:
+            # Few full buckets alive at once: the previous one's average is kept as a slice while this one travels.
+            self._settle(self.buckets[bucket.index - 1])
 
     def _finish_round(self) -> None:
         """Launch every bucket not yet launched this round, in order, with what it has; wait for them all."""
@@ -251,21 +254,35 @@ class GradientSynchronizer:
 
     def _wait_for_buckets(self) -> None:
         started = time.perf_counter()
-        if self._agreement_in_flight is not None:
+        for bucket in self.buckets:
+            self._wait_for(bucket)
+        self.on_wait(time.perf_counter() - started)
+
+    def _wait_for(self, bucket: Bucket) -> None:
+        if self._agreement_in_flight is not None:  # first: its error names what a bucket's failure only follows from
             in_flight, self._agreement_in_flight = self._agreement_in_flight, None
             in_flight.wait()
-        for bucket in self.buckets:
-            if bucket.pending is not None:
-                try:
-                    bucket.pending.wait()
-                except RuntimeError as error:
-                    where = f"gradient bucket {bucket.index} of {self.label}"
-                    raise_with_stragglers(self.agreement.group, where, error, debug=self.debug)
-                if bucket.in_flight is not None:
-                    bucket.in_flight.close(bucket.pending)
-                    bucket.in_flight = None
-                bucket.pending = None
+        if bucket.pending is not None:
+            try:
+                bucket.pending.wait()
+            except RuntimeError as error:
+                where = f"gradient bucket {bucket.index} of {self.label}"
+                raise_with_stragglers(self.agreement.group, where, error, debug=self.debug)
+            if bucket.in_flight is not None:
+                bucket.in_flight.close(bucket.pending)
+                bucket.in_flight = None
+            bucket.pending = None
+
+    def _settle(self, bucket: Bucket) -> None:
+        """shard="gradients": once `bucket` is averaged, keep this replica's slice of it and release the buffer."""
+        if not bucket.views:
+            return  # settled already
+        started = time.perf_counter()
+        self._wait_for(bucket)
         self.on_wait(time.perf_counter() - started)
+        assert self.keep_slice is not None
+        self.keep_slice(bucket, None if all(bucket.flags) else bucket.presence().tolist())
+        bucket.release_buffer()
 
     # -- at step ---------------------------------------------------------------------
     def _scale(self) -> float:
@@ -314,14 +331,11 @@ class GradientSynchronizer:
             return
         self._gather_sparse_of_known_modules()
         self._finish_round()
-        if self.keep_slices is not None:  # shard="gradients": only this replica's slices of the average stay
-            presence: list[list[float] | None] = [None if all(bucket.flags) else bucket.presence().tolist()
-                                                  for bucket in self.buckets]
-            self.keep_slices(self.buckets, presence)
+        if self.releases:  # shard="gradients": only this replica's slices of the average stay
+            for bucket in self.buckets:
+                self._settle(bucket)
             for param in self.params:
                 param.grad = None
-            for bucket in self.buckets:
-                bucket.release_buffer()
             self._reduced = True
             return
         sparse = self._sum_sparse()
