@@ -205,8 +205,15 @@ class ShardedOptimizer:
     def _gather(self, local: Callable[[torch.nn.Parameter], torch.Tensor],
                 consume: Callable[[Bucket, torch.Tensor], None]) -> None:
         """All-gather, bucket by bucket, the slices of `local(param)` (a parameter or a tensor shaped like it) that
-        each replica holds, and hand each bucket's whole flat tensor to `consume` as it arrives."""
-        pending = []
+        each replica holds, and hand each bucket's whole flat tensor to `consume` as it arrives. Two buckets travel
+        at a time, so the gathered copies never add up to a whole model."""
+        pending: list[tuple[Bucket, torch.Tensor, Any]] = []
+
+        def finish(bucket: Bucket, rows: torch.Tensor, work: Any) -> None:
+            work.wait()
+            bounds = self.bounds[bucket.index]
+            consume(bucket, torch.cat([rows[rank, : stop - start] for rank, (start, stop) in enumerate(bounds)]))
+
         with torch.no_grad():
             for bucket, bounds in zip(self.synchronizer.buckets, self.bounds):
                 chunk = max(stop - start for start, stop in bounds)
@@ -220,11 +227,10 @@ class ShardedOptimizer:
                 send = rows[self.rank].clone()
                 pending.append((bucket, rows, dist.all_gather(list(rows.unbind(0)), send, group=self.group,
                                                               async_op=True)))
+                if len(pending) > 1:
+                    finish(*pending.pop(0))
             for bucket, rows, work in pending:
-                assert work is not None
-                work.wait()
-                bounds = self.bounds[bucket.index]
-                consume(bucket, torch.cat([rows[rank, : stop - start] for rank, (start, stop) in enumerate(bounds)]))
+                finish(bucket, rows, work)
 
     @staticmethod
     def _into_parameters(bucket: Bucket, flat: torch.Tensor) -> None:
