@@ -205,32 +205,45 @@ class ShardedOptimizer:
     def _gather(self, local: Callable[[torch.nn.Parameter], torch.Tensor],
                 consume: Callable[[Bucket, torch.Tensor], None]) -> None:
         """All-gather, bucket by bucket, the slices of `local(param)` (a parameter or a tensor shaped like it) that
-        each replica holds, and hand each bucket's whole flat tensor to `consume` as it arrives. Two buckets travel
-        at a time, so the gathered copies never add up to a whole model."""
-        pending: list[tuple[Bucket, torch.Tensor, Any]] = []
-
-        def finish(bucket: Bucket, rows: torch.Tensor, work: Any) -> None:
-            work.wait()
-            bounds = self.bounds[bucket.index]
-            consume(bucket, torch.cat([rows[rank, : stop - start] for rank, (start, stop) in enumerate(bounds)]))
-
+        each replica holds, and hand each bucket's whole flat tensor to `consume` as it arrives. Through the
+        reducer's own all-gather where it has one (shared memory on one node), else Gloo's or NCCL's. Two buckets
+        travel at a time, so the gathered copies never add up to a whole model."""
+        gather = getattr(self.synchronizer.reducer, "all_gather", None)
+        pending: list[tuple[Bucket, Callable[[], torch.Tensor]]] = []
         with torch.no_grad():
             for bucket, bounds in zip(self.synchronizer.buckets, self.bounds):
-                chunk = max(stop - start for start, stop in bounds)
-                rows = torch.empty(self.size, chunk, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
                 start, stop = bounds[self.rank]
+                flat = torch.empty(bucket.numel, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
                 for param, offset in zip(bucket.params, bucket.offsets):
                     low, high = max(start, offset), min(stop, offset + param.numel())
                     if low < high:
-                        rows[self.rank, low - start : high - start] = local(param).reshape(-1)[low - offset :
-                                                                                                high - offset]
-                send = rows[self.rank].clone()
-                pending.append((bucket, rows, dist.all_gather(list(rows.unbind(0)), send, group=self.group,
-                                                              async_op=True)))
+                        flat[low:high] = local(param).reshape(-1)[low - offset : high - offset]
+                cuts = [start for start, _ in bounds] + [bounds[-1][1]]
+                work = gather(flat, cuts) if gather is not None else None
+                pending.append((bucket, self._gathered(flat, bounds, work)))
                 if len(pending) > 1:
-                    finish(*pending.pop(0))
-            for bucket, rows, work in pending:
-                finish(bucket, rows, work)
+                    consume(pending[0][0], pending.pop(0)[1]())
+            for bucket, finish in pending:
+                consume(bucket, finish())
+
+    def _gathered(self, flat: torch.Tensor, bounds: list[tuple[int, int]], work: Any) -> Callable[[], torch.Tensor]:
+        """What waits for one bucket's gather; started here over the process group when the reducer has none."""
+        if work is not None:
+            return lambda: (work.wait(), flat)[1]
+        chunk = max(stop - start for start, stop in bounds)
+        rows = torch.empty(self.size, chunk, dtype=flat.dtype, device=flat.device)
+        start, stop = bounds[self.rank]
+        rows[self.rank, : stop - start] = flat[start:stop]
+        request = dist.all_gather(list(rows.unbind(0)), rows[self.rank].clone(), group=self.group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            assert request is not None
+            request.wait()
+            for rank, (low, high) in enumerate(bounds):
+                flat[low:high] = rows[rank, : high - low]
+            return flat
+
+        return finish
 
     @staticmethod
     def _into_parameters(bucket: Bucket, flat: torch.Tensor) -> None:

@@ -125,6 +125,14 @@ class SummationReducer:
             return self._worker.submit(lambda: sum_after(buffer, arrival), label, buffer.device)
         return self._worker.submit(lambda: self.summation.sum_(buffer), label, buffer.device)
 
+    def all_gather(self, tensor: torch.Tensor, bounds: list[int]) -> PendingWork | None:
+        """Replica i's part `bounds[i]:bounds[i + 1]` of `tensor` everywhere, on the worker in submission order (after
+        the reductions before it); None where the summation has no such collective (the caller uses its own)."""
+        gather = getattr(self.summation, "all_gather_", None)
+        if gather is None or not getattr(self.summation, "gathers", False):
+            return None
+        return self._worker.submit(lambda: gather(tensor, bounds), f"{self.name} all-gather", tensor.device)
+
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """A bucket buffer the summation can reduce without copying, or None (allocate it as usual)."""
         allocate = getattr(self.summation, "allocate", None)
