@@ -138,7 +138,9 @@ class Bucket:
 
     def ensure_buffer(self) -> None:
         if not self.views and self.params:
-            self.buffer = torch.zeros(self.numel + len(self.params), dtype=self.buffer.dtype, device=self.buffer.device)
+            # Uninitialised: load() writes every parameter's slot (zeros where it has no gradient), and the
+            # presence slots are written at launch.
+            self.buffer = torch.empty(self.numel + len(self.params), dtype=self.buffer.dtype, device=self.buffer.device)
             self.__post_init__()
 
     def reset(self) -> None:

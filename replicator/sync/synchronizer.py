@@ -220,7 +220,10 @@ class GradientSynchronizer:
         bucket.launched = True
         recording = timeline.active()
         launched = timeline.clock() if recording is not None else 0.0
-        bucket.pending = self.reducer.reduce(bucket.buffer, self.group, bucket)  # type: ignore[arg-type]
+        # shard="gradients" keeps only this replica's slice: a reducer that can stop after its scatter does.
+        scatter = getattr(self.reducer, "scatter", None) if self.releases else None
+        pending = scatter(bucket.buffer, self.group, bucket) if scatter is not None else None
+        bucket.pending = pending or self.reducer.reduce(bucket.buffer, self.group, bucket)  # type: ignore[arg-type]
         if recording is not None:  # from launch to completion, on a track of its own: buckets overlap
             bucket.in_flight = timeline.InFlight(
                 recording, f"bucket {bucket.index}", "communication", launched, bucket.pending, timeline.BUCKETS,

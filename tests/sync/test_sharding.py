@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import replicator as rp
@@ -392,3 +393,45 @@ def test_checkpoints_move_between_replica_counts_and_levels() -> None:
     for got in (resumed["gradients"][0]["params"], alone["params"]):
         for g, e in zip(got, uninterrupted["params"]):  # other replica counts: other summation orders
             assert torch.allclose(g, e, atol=ONE_PROCESS_ATOL, rtol=0), (g - e).abs().max()
+
+
+def shared_memory_scatter_and_gather() -> dict[str, Any]:
+    """Inside a replica of 3 on one node: the shm reducer's scatter and all-gather, on staged tensors."""
+    from replicator.sync.bucket import assign_buckets
+    from replicator.sync.reducers import make_reducer
+    from replicator.topology import build_process_groups, discover
+
+    groups = build_process_groups(discover())
+    reducer = make_reducer("shm", groups)
+    rank = dist.get_rank()
+    found: dict[str, Any] = {}
+    for numel in (2, 11, 100):  # fewer elements than replicas; uneven slices; a larger one that grows the segment
+        params = [torch.nn.Parameter(torch.zeros(numel))]
+        (bucket,) = assign_buckets(params, 1 << 30, 1 << 30)  # a plain buffer: staged, as shard="gradients" has
+        bucket.buffer.copy_(torch.arange(bucket.buffer.numel(), dtype=torch.float32) * (rank + 1))
+        before = bucket.buffer.clone()
+        reducer.scatter(bucket.buffer, groups.replica, bucket).wait()  # type: ignore[attr-defined]
+        found[f"scatter {numel}"] = (before, bucket.buffer.clone())
+        whole = torch.arange(numel, dtype=torch.float32) + 1000
+        cuts = [numel * k // 3 for k in range(4)]
+        mine = torch.full((numel,), -1.0)
+        mine[cuts[rank] : cuts[rank + 1]] = whole[cuts[rank] : cuts[rank + 1]]
+        reducer.all_gather(mine, cuts).wait()  # type: ignore[attr-defined]
+        found[f"gather {numel}"] = torch.equal(mine, whole)
+    reducer.close()  # type: ignore[attr-defined]
+    return found
+
+
+def test_shared_memory_reducer_stops_after_the_scatter_and_gathers() -> None:
+    results = run_replicas(shared_memory_scatter_and_gather, 3, timeout_s=120)
+    for rank, found in enumerate(results):
+        for numel in (2, 11, 100):
+            assert found[f"gather {numel}"], (rank, numel)
+            before, after = found[f"scatter {numel}"]
+            total = numel + 1  # one presence slot
+            mine = slice(total * rank // 3, total * (rank + 1) // 3)
+            summed = before / (rank + 1) * 6  # every replica's buffer, 1 + 2 + 3 times the same values
+            assert torch.equal(after[mine], summed[mine]) and torch.equal(after[numel:], summed[numel:])
+            rest = torch.ones(total, dtype=torch.bool)
+            rest[mine], rest[numel:] = False, False
+            assert torch.equal(after[rest], before[rest])  # nothing else is summed or written back

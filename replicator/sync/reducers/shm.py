@@ -275,6 +275,36 @@ class SharedMemorySum:
         if staged:
             flat.copy_(own)
 
+    def scatter_after(self, tensor: torch.Tensor, arrival: PendingAgreement | None, tail: int) -> None:
+        """Sum like `sum_after`, but stop after the scatter: replica i's slice of `tensor` (the same slices as a sum's)
+        and the elements from `tail` on (a bucket's presence slots) hold the sums; the rest is left as it was.
+
+        What sharded data parallelism (shard="gradients") keeps: the writes of every slice into every peer's row,
+        and the copy out of the whole tensor, are saved. One node only (see `gathers`).
+        """
+        flat = tensor.view(-1)
+        if flat.numel() == 0:
+            return
+        segment: _Segment | _Rows | None = self._owned.get(flat.data_ptr())
+        staged = segment is None or segment.rows.shape[1] != flat.numel()
+        if staged:
+            segment = self._staging_segment(flat.numel(), flat.dtype)
+        assert segment is not None
+        own = segment.rows[self.position]
+        if staged:
+            own.copy_(flat)
+        bounds = [flat.numel() * k // self.local_size for k in range(self.local_size + 1)]
+        mine = slice(bounds[self.position], bounds[self.position + 1])
+        self._all_loaded(None if staged else arrival)
+        self._add_peers(segment, mine)
+        shared = slice(max(mine.start, tail), mine.stop)  # the tail's sums, which every replica needs
+        if shared.start < shared.stop:
+            self._write_to_peers(segment, shared)
+        self._barrier()
+        if staged:
+            flat[mine] = own[mine]
+            flat[tail:] = own[tail:]
+
     def _all_loaded(self, arrival: PendingAgreement | None) -> None:
         """Return once every local replica's row is loaded: the first barrier of a sum."""
         if arrival is None:
