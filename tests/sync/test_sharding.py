@@ -95,11 +95,13 @@ def train(case: str, shard: str | None) -> dict[str, Any]:
     repl = rp.Replicator(shard=shard, nonfinite="skip" if case == "skip" else "raise",
                          bucket_cap_mb=0.0005 if case == "buckets" else 25.0,  # ~130 elements a bucket: several
                          reducer="flat" if case == "flat" else "auto",  # auto: shared memory here
-                         uneven_batches="weighted" if case == "weighted" else "refuse")
+                         uneven_batches="weighted" if case == "weighted" else "refuse",
+                         precision=case if case in ("bf16", "fp16") else "fp32")
     with repl.scope():
         torch.manual_seed(0)
         model = Net()
         optimizer = repl.wrap_optimizer(make_optimizer(kind, model))
+        scheduler = repl.wrap_scheduler(torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5))
     repl.accumulate(micro_steps)
     seen: dict[str, Any] = {"grads_after_backward": []}
 
@@ -136,6 +138,8 @@ def train(case: str, shard: str | None) -> dict[str, Any]:
         if case == "clip":
             seen.setdefault("norms", []).append(float(repl.clip_grad_norm_(model.parameters(), 0.05)))
         optimizer.step()
+        if case == "schedule":  # the shard optimizer takes the user's learning rates at every step
+            scheduler.step()
         return None
 
     for _ in repl.run(step_fn, repl.prepare_input(input_fn), record=False):
@@ -152,7 +156,8 @@ def train(case: str, shard: str | None) -> dict[str, Any]:
     return {"params": parameters_of(model), **seen}
 
 
-CASES = ("sgd", "adamw", "clip", "accumulate", "skip", "buckets", "flat", "no_sync", "weighted")
+CASES = ("sgd", "adamw", "clip", "accumulate", "skip", "buckets", "flat", "no_sync", "weighted", "schedule", "bf16",
+         "fp16")
 
 
 def all_levels(cases: tuple[str, ...]) -> dict[tuple[str, str | None], dict[str, Any]]:
