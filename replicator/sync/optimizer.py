@@ -68,6 +68,8 @@ class SyncedOptimizers:
         self.shard = shard  # "optimizer", "gradients" or None (replicator.sync.sharding)
         if shard is not None:
             check_reducer(reducer, shard)
+        if agreement.size > 1:  # replicas sharding differently would issue different collectives at every update
+            agreement.require_same(f"rp.Replicator(shard={shard!r})", "rp.Replicator()")
         self.stages = stages  # a pipeline's stages (of this replica): every update's skip verdict is theirs together
         self.wrapped: list[WrappedOptimizer] = []
         self.owner: dict[int, WrappedOptimizer] = {}

@@ -9,6 +9,7 @@ Against one process the summation order differs, so there the comparison has a t
 
 from __future__ import annotations
 
+import os
 import tempfile
 from typing import Any
 
@@ -440,3 +441,16 @@ def test_shared_memory_reducer_stops_after_the_scatter_and_gathers() -> None:
             rest = torch.ones(total, dtype=torch.bool)
             rest[mine], rest[numel:] = False, False
             assert torch.equal(after[rest], before[rest])  # nothing else is summed or written back
+
+
+def disagreeing() -> str:
+    try:
+        rp.Replicator(shard="optimizer" if os.environ["RANK"] == "0" else None)
+    except rp.ReplicaMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+def test_replicas_disagreeing_on_shard_are_refused_on_every_replica() -> None:
+    for message in run_replicas(disagreeing, 2, timeout_s=120):
+        assert "shard='optimizer'" in message and "shard=None" in message, message
