@@ -454,3 +454,38 @@ def disagreeing() -> str:
 def test_replicas_disagreeing_on_shard_are_refused_on_every_replica() -> None:
     for message in run_replicas(disagreeing, 2, timeout_s=120):
         assert "shard='optimizer'" in message and "shard=None" in message, message
+
+
+def tiny(shard: str | None) -> dict[str, Any]:
+    """A model of two elements on three replicas: one replica owns none of it, and still takes part."""
+    repl = rp.Replicator(shard=shard)
+    with repl.scope():
+        weight = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+        optimizer = repl.wrap_optimizer(torch.optim.AdamW([weight], lr=0.1))
+
+    def step_fn(ctx: rp.ReplicaContext, batch: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        ((weight * batch).sum() ** 2).backward()
+        optimizer.step()
+
+    batches = [torch.tensor([[0.5, 1.0 + repl.replica_id]]) * (step + 1) for step in range(3)]
+    for _ in repl.run(step_fn, batches, record=False):
+        pass
+    sharded = repl.optimizers.wrapped[0].sharded
+    pieces = len(sharded.pieces) if sharded is not None else -1
+    state = cloned(optimizer.state_dict()["state"])
+    repl.close()
+    return {"weight": weight.detach().clone(), "pieces": pieces, "state": state}
+
+
+def tiny_at_every_level() -> dict[str | None, dict[str, Any]]:
+    return {shard: tiny(shard) for shard in (None, "optimizer", "gradients")}
+
+
+def test_a_replica_owning_no_element_still_steps_alike() -> None:
+    results = run_replicas(tiny_at_every_level, 3, timeout_s=120)
+    assert sorted(result["gradients"]["pieces"] for result in results) == [0, 1, 1]
+    for result in results:
+        for shard in ("optimizer", "gradients"):
+            assert torch.equal(result[shard]["weight"], result[None]["weight"]), shard
+            assert same_state(result[shard]["state"], result[None]["state"]), shard
