@@ -3,7 +3,7 @@
 Command (from the repository root; about a minute on 2 loaded cores; figures go to
 benchmarks/results/sharding.json):
 
-    .venv/bin/python benchmarks/sharding.py --repeats 7 --steps 4
+    .venv/bin/python benchmarks/sharding.py --repeats 15 --steps 4
 
 Every contender trains its own copy of the same MLP with AdamW inside the same N processes,
 on the same fixed batches, in short phases that take turns (the order rotates every
@@ -17,6 +17,7 @@ bit equal to shard=None (it must: the same sums, the same element-wise update).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from _harness import add_json_argument, compare, in_turns, machine, machine_line
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import replicator as rp
+from replicator.launch import heap_kept_environment
 from replicator.testing import run_replicas
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -135,16 +137,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for field, default in asdict(Config()).items():
         parser.add_argument(f"--{field}", type=type(default), default=default)
+    parser.add_argument("--glibc-default", action="store_true",
+                        help="leave glibc's heap settings at their defaults (replicator launch keeps the heap)")
     add_json_argument(parser, "sharding")
     arguments = parser.parse_args()
-    config = Config(**{k: v for k, v in vars(arguments).items() if k != "json"})
+    config = Config(**{k: v for k, v in vars(arguments).items() if k not in ("json", "glibc_default")})
     header = machine()
     print(machine_line(header))
+    if not arguments.glibc_default:  # as `replicator launch` runs replicas; every contender shares the processes
+        os.environ.update(heap_kept_environment())
     results = run_replicas(replica, config.replicas, config, timeout_s=1800)
     first = results[0]
     step_ms = {name: series["step_ms"] for name, series in first["figures"].items()}
     # Lower is better for times: compare() ratios are value / peer, so < 1 means faster than the peer.
-    report: dict[str, Any] = {"config": asdict(config), "parameters": first["parameters"], "contenders": {}}
+    report: dict[str, Any] = {"config": asdict(config), "parameters": first["parameters"], "contenders": {},
+                              "heap_kept": not arguments.glibc_default}
     for peer in (BASELINE, TORCH_ZERO):
         comparison = compare(step_ms, peer)
         print(f"\nstep time (ms, slowest replica; median [min, max] over {config.repeats} turns) against {peer}:")
