@@ -95,7 +95,7 @@ def train(case: str, shard: str | None) -> dict[str, Any]:
     micro_steps = 2 if case == "accumulate" else 1
     repl = rp.Replicator(shard=shard, nonfinite="skip" if case == "skip" else "raise",
                          bucket_cap_mb=0.0005 if case == "buckets" else 25.0,  # ~130 elements a bucket: several
-                         reducer="flat" if case == "flat" else "auto",  # auto: shared memory here
+                         reducer=REDUCERS.get(case, "auto"),  # auto: shared memory on one node
                          uneven_batches="weighted" if case == "weighted" else "refuse",
                          precision=case if case in ("bf16", "fp16") else "fp32")
     with repl.scope():
@@ -157,8 +157,9 @@ def train(case: str, shard: str | None) -> dict[str, Any]:
     return {"params": parameters_of(model), **seen}
 
 
+REDUCERS = {"flat": "flat", "compressed": "bf16+ef", "hierarchical": "hierarchical"}
 CASES = ("sgd", "adamw", "clip", "accumulate", "skip", "buckets", "flat", "no_sync", "weighted", "schedule", "bf16",
-         "fp16")
+         "fp16", "compressed")
 
 
 def all_levels(cases: tuple[str, ...]) -> dict[tuple[str, str | None], dict[str, Any]]:
@@ -489,3 +490,20 @@ def test_a_replica_owning_no_element_still_steps_alike() -> None:
         for shard in ("optimizer", "gradients"):
             assert torch.equal(result[shard]["weight"], result[None]["weight"]), shard
             assert same_state(result[shard]["state"], result[None]["state"]), shard
+
+
+def on_two_nodes() -> dict[tuple[str, str | None], dict[str, Any]]:
+    return {(case, shard): train(case, shard) for case in ("adamw", "hierarchical")
+            for shard in (None, "optimizer", "gradients")}
+
+
+def test_sharded_levels_across_simulated_nodes() -> None:
+    """2 nodes of 2 replicas: "auto" sums through shared memory inside a node and across nodes in chunks, and the
+    parameters' all-gather falls back to the process group; "hierarchical" sums in socket rings per level."""
+    results = run_replicas(on_two_nodes, 4, local_world_size=2, timeout_s=400)
+    for case in ("adamw", "hierarchical"):
+        for result in results:
+            for shard in ("optimizer", "gradients"):
+                got, plain = result[(case, shard)], result[(case, None)]
+                assert all(torch.equal(g, e) for g, e in zip(got["params"], plain["params"])), (case, shard)
+                assert same_state(got["state"], plain["state"]), (case, shard)
