@@ -12,9 +12,14 @@ stay plain tensors. The user's optimizer itself never steps and holds no state.
 - "optimizer" (ZeRO-1): the gradients are averaged in full, as without sharding, and `.grad`
   holds the average (a view of its bucket) between backward and step, exactly as with
   shard=None; the shard optimizer reads its slice from `.grad`.
-- "gradients" (ZeRO-2): once the backward pass that synchronizes is averaged, each replica keeps
-  its slices of the average (1/N) and the full-size buckets are released until the next
-  backward; `.grad` is None after that backward (each is freed as soon as its bucket holds it).
+- "gradients" (ZeRO-2): each `.grad` is freed as soon as its bucket holds it; once a bucket is
+  averaged (while the next one travels), each replica keeps its slice of it (1/N) and the bucket's
+  buffer is released, so at most two full buckets live during backward and none between steps.
+  A reducer that can stop after the scatter does (the shared-memory one, on one node: each replica
+  sums only its slice); the others reduce in full. `.grad` is None after the backward pass.
+
+The parameters' all-gather goes through the reducer where it has one (shared memory), else over
+the replica group, two buckets in flight.
 
 The update of every element is the arithmetic one process does on that element (element-wise
 optimizers: SGD, Adam, AdamW, ...), on the same averaged gradient: hence bit-equality with
