@@ -25,10 +25,12 @@ GLOBAL_BATCH = 12  # divides by 1, 2, 3
 STEPS = 4
 LRS = (0.05, 0.1)
 EPS = torch.finfo(torch.float32).eps
-# Against one process: each update's averaged gradient differs by a few ulps of summation order
-# (log2(GLOBAL_BATCH) < 4 roundings, relative); Adam's normalisation turns that into at most
-# ~1e2 relative error of the step where |grad| approaches its eps; STEPS updates of size <= lr add up.
-ONE_PROCESS_ATOL = STEPS * max(LRS) * 1e2 * 4 * EPS
+# Against one process: every update moves a parameter by at most lr (Adam's |m / sqrt(v)| <= ~1; SGD's
+# |grad| < 1 here), in a direction that differs from one process's by the roundings on its way, bounded
+# by 32 ulps relative: the batch sum in another order (log2(GLOBAL_BATCH) < 4), the sum over replicas
+# (<= 2), the moments, root and quotient (~10), doubled for the momentum that carries earlier steps'.
+# STEPS updates add up. (Measured: 1.8e-7 at most, against 1.5e-6.)
+ONE_PROCESS_ATOL = STEPS * max(LRS) * 32 * EPS
 
 
 class Net(torch.nn.Module):
