@@ -121,6 +121,7 @@ class ShardedOptimizer:
         self.optimizer, self.synchronizer, self.level = optimizer, synchronizer, level
         self.group, self.context = group, context
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.device = synchronizer.params[0].device if synchronizer.params else torch.device("cpu")
         buckets = synchronizer.buckets
         self.bounds = [[slice_bounds(bucket, self.size, rank) for rank in range(self.size)] for bucket in buckets]
         self.pieces: dict[int, _Piece] = {}  # by the parameter's id
@@ -160,7 +161,7 @@ class ShardedOptimizer:
 
     def slices_finite(self) -> bool:
         """Are all averaged gradients finite? Each replica checks its slices; the verdict is everyone's together."""
-        flag = torch.tensor([float(all_finite(self.slices.values()))])
+        flag = torch.tensor([float(all_finite(self.slices.values()))], device=self.device)  # NCCL: on the GPU
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag)
 
@@ -196,7 +197,7 @@ class ShardedOptimizer:
         """shard="gradients": clip by the global norm of the averaged gradients, from the slices (one all-reduce)."""
         pieces = [self.pieces[id(p)] for p in params if id(p) in self.pieces]
         grads = [g for piece in pieces if (g := self._gradient_of(piece)) is not None]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros(())
+        norm = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=self.device)
         if math.isinf(norm_type):
             dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self.group)
         else:
