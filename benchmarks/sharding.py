@@ -5,8 +5,8 @@ benchmarks/results/sharding.json):
 
     .venv/bin/python benchmarks/sharding.py --repeats 15 --steps 4
 
-Every contender trains its own copy of the same MLP with AdamW inside the same N processes,
-on the same fixed batches, in short phases that take turns (the order rotates every
+Every contender (plain torch DDP too, for scale) trains its own copy of the same MLP with AdamW
+inside the same N processes, on the same fixed batches, in short phases that take turns (the order rotates every
 repetition); a paired ratio is the median over repetitions of the two contenders' step times
 within one repetition. Replicator is driven by calling step_fn directly, as
 benchmarks/data_parallel.py's "step_fn" loop does. Also reported: the optimizer-state bytes each
@@ -37,6 +37,7 @@ from replicator.testing import run_replicas
 Batch = tuple[torch.Tensor, torch.Tensor]
 BASELINE = "replicator shard=None"
 TORCH_ZERO = "torch DDP + ZeroRedundancyOptimizer"
+TORCH_DDP = "torch DDP"  # unsharded, for scale
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,11 @@ def replica(config: Config) -> dict[str, Any]:
     zero = ZeroRedundancyOptimizer(plain.parameters(), optimizer_class=torch.optim.AdamW, lr=config.lr)
     models[TORCH_ZERO], steps[TORCH_ZERO] = plain, trainer(ddp, zero)
     held[TORCH_ZERO] = lambda: state_bytes(zero.optim)
+    whole = make_model(config)
+    whole_optimizer = torch.optim.AdamW(whole.parameters(), lr=config.lr)
+    whole_ddp = torch.nn.parallel.DistributedDataParallel(whole)
+    models[TORCH_DDP], steps[TORCH_DDP] = whole, trainer(whole_ddp, whole_optimizer)
+    held[TORCH_DDP] = lambda: state_bytes(whole_optimizer)
     batches = make_batches(config, dist.get_rank())
     cursor = dict.fromkeys(steps, 0)
 
