@@ -32,6 +32,7 @@ from replicator.sync.guard import ReplicaGuard
 from replicator.sync.optimizer import SyncedOptimizers
 from replicator.sync.precision import MixedPrecision, Precision
 from replicator.sync.reducers import Reducer, make_reducer
+from replicator.sync.sharding import check_shard
 from replicator.telemetry import Progress, StepTimes, summarize_run
 from replicator.timeline.session import recorded
 
@@ -64,6 +65,7 @@ class Replicator:
             whose overflow skips agree across replicas (rp.Precision tunes it; docs/how-to/mixed-precision.md).
         uneven_batches: "refuse" (default: unequal batch sizes raise), "weighted" (gradients and ctx.all_mean weigh
             by batch size) or batch -> count (tokens); sparse_as_dense: densify sparse gradients (Horovod's).
+        shard: "optimizer" (ZeRO-1) or "gradients" (ZeRO-2): each replica keeps 1/N of the optimizer state (how-to).
         stages: pipeline model parallelism (GPipe): the job's processes form replicas × stages, and
             `repl.pipeline(layers)` returns this process's stage. `virtual_stages=V`: V model chunks per stage.
         chunks: micro-batches per batch; schedule: "gpipe", "1f1b", "interleaved" (virtual_stages >= 2), "zero_bubble".
@@ -80,7 +82,7 @@ class Replicator:
         *,
         stages: int = 1, chunks: int = 1, schedule: str = "gpipe", virtual_stages: int = 1,
         reducer: str | Reducer = "auto", bucket_cap_mb: float = 25.0, precision: str | Precision = "fp32",
-        timeout_s: float | None = None, debug: bool | None = None, nonfinite: str = "raise",
+        timeout_s: float | None = None, debug: bool | None = None, nonfinite: str = "raise", shard: str | None = None,
         uneven_batches: str | Callable[[Any], int] = "refuse", sparse_as_dense: bool = False,
         recompute: str = "except_last", checkpoint: str | None = None, mode: str = "sync", sync_group_size: int = 1,
         outer_every: int | None = None, outer_optimizer: OuterOptimizer | None = None,
@@ -91,7 +93,7 @@ class Replicator:
         if stages < 1 or chunks < 1:
             raise ReplicatorUsageError(f"stages and chunks must be at least 1, got stages={stages}, chunks={chunks}")
         check_nonfinite_policy(nonfinite)
-        precision = Precision.of(precision)  # refused before the job starts
+        precision, shard = Precision.of(precision), check_shard(shard, mode, stages)  # refused before the job starts
         settings = AsyncSettings.of(mode, parameter_servers, sync_group_size, max_staleness, stages)
         roles = Roles.of(mode, actors, evaluator, stages)  # actor_learner's learners, actors and evaluator
         self.job = job = Job.start(stages=stages, timeout_s=timeout_s, debug=debug,  # DiLoCo regroups on its own
@@ -114,8 +116,7 @@ class Replicator:
         self.optimizers = SyncedOptimizers(adopt=self.models.adopt,
             context=self.context, group=synced.replica, agreement=job.replica_agreement,
             reducer=self.reducer, bucket_cap_bytes=int(bucket_cap_mb * (1 << 20)), nonfinite=nonfinite,
-            debug=job.debug, is_main=self.is_main, stages=job.groups.stage if stages > 1 else None,
-        )
+            debug=job.debug, is_main=self.is_main, stages=job.groups.stage if stages > 1 else None, shard=shard)
         self.precision = MixedPrecision(precision, self.device, self.optimizers, synced)  # autocast, fp16's scale
         self.skipped_steps = self.optimizers.skipped_steps  # steps whose update nonfinite="skip" or fp16 dropped
         self.optimizers.state.configure(uneven_batches, sparse_as_dense, models.modules)

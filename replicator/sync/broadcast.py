@@ -20,6 +20,7 @@ from replicator.comm.agreement import Agreement
 from replicator.comm.objects import broadcast_value
 from replicator.errors import ReplicatorUsageError
 from replicator.identity import broadcast_from_first, copy_from_first, require_same_layout
+from replicator.sync.sharding import SHARDED
 from replicator.topology import ProcessGroups
 
 __all__ = ["broadcast_state"]
@@ -37,6 +38,12 @@ def broadcast_state(objects: Iterable[Any], groups: ProcessGroups, agreement: Ag
     stage calls it with the same objects; their layouts are compared first (`agreement`).
     """
     group, control, source = groups.replica, groups.replica_control, groups.mesh.replica_ranks[0]
+    objects = list(objects)
+    if any(isinstance(thing, torch.optim.Optimizer) and thing in SHARDED for thing in objects):
+        raise ReplicatorUsageError(  # the same objects on every replica: raised by all, before any traffic
+            "repl.broadcast_state() cannot copy replica 0's state of an optimizer wrapped with shard=: each replica "
+            "holds only its slice of it. Call optimizer.load_state_dict(state) on every replica (each takes its "
+            "slice of the whole state), or use repl.save()/repl.restore()")
     for number, thing in enumerate(objects):
         where = f"in repl.broadcast_state(), argument {number}"
         if isinstance(thing, torch.nn.Module):

@@ -131,6 +131,18 @@ class Bucket:
             if not flag:
                 presence[position] = 0
 
+    def release_buffer(self) -> None:
+        """Free the buffer between updates (shard="gradients" keeps only its slice); `ensure_buffer` makes a new one."""
+        self.buffer = self.buffer.new_empty(0)
+        self.views = []
+
+    def ensure_buffer(self) -> None:
+        if not self.views and self.params:
+            # Uninitialised: load() writes every parameter's slot (zeros where it has no gradient), and the
+            # presence slots are written at launch.
+            self.buffer = torch.empty(self.numel + len(self.params), dtype=self.buffer.dtype, device=self.buffer.device)
+            self.__post_init__()
+
     def reset(self) -> None:
         self.ready.clear()
         self.sparse.clear()

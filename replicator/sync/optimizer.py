@@ -18,6 +18,8 @@ from replicator.context import ReplicaContext
 from replicator.errors import NonFiniteError, ReplicatorUsageError
 from replicator.nn.spectral import spectral_normed
 from replicator.sync.reducers import Reducer
+from replicator.sync.sharding import SHARDED, ShardedOptimizer, check_reducer
+from replicator.sync.sparse import sparse_parameters
 from replicator.sync.state import GradientState, UpdateCount
 from replicator.sync.synchronizer import GradientSynchronizer
 from replicator.timeline import recorder as timeline
@@ -36,6 +38,7 @@ class WrappedOptimizer:
     synchronizer: GradientSynchronizer
     count: UpdateCount
     known: int = 0  # parameters in its groups that the synchronizer knows of: a cheap check at each step
+    sharded: ShardedOptimizer | None = None  # shard="optimizer" or "gradients": who steps it, on this replica's slices
 
 
 class SyncedOptimizers:
@@ -51,7 +54,7 @@ class SyncedOptimizers:
     def __init__(self, *, context: ReplicaContext, group: dist.ProcessGroup | None, agreement: Agreement,
                  reducer: Reducer, bucket_cap_bytes: int, nonfinite: str, debug: bool, is_main: bool,
                  adopt: Callable[[list[torch.Tensor], str], None] = lambda tensors, where: None,
-                 stages: dist.ProcessGroup | None = None) -> None:
+                 stages: dist.ProcessGroup | None = None, shard: str | None = None) -> None:
         self.state = GradientState()
         self.context = context
         self.group = group
@@ -62,6 +65,11 @@ class SyncedOptimizers:
         self.debug = debug
         self.is_main = is_main
         self.adopt = adopt
+        self.shard = shard  # "optimizer", "gradients" or None (replicator.sync.sharding)
+        if shard is not None:
+            check_reducer(reducer, shard)
+        if agreement.size > 1:  # replicas sharding differently would issue different collectives at every update
+            agreement.require_same(f"rp.Replicator(shard={shard!r})", "rp.Replicator()")
         self.stages = stages  # a pipeline's stages (of this replica): every update's skip verdict is theirs together
         self.wrapped: list[WrappedOptimizer] = []
         self.owner: dict[int, WrappedOptimizer] = {}
@@ -92,8 +100,13 @@ class SyncedOptimizers:
         label = f"optimizer {len(self.wrapped)} ({type(optimizer).__name__})"
         count = UpdateCount()
         synchronizer = GradientSynchronizer(params, self.group, self.agreement, self.reducer, self.bucket_cap_bytes,
-                                            names, label, self.state, count, self.context.on_wait, self.debug)
+                                            names, label, self.state, count, self.context.on_wait, self.debug,
+                                            self.shard)
         wrapped = WrappedOptimizer(optimizer, synchronizer, count, len(params))
+        if self.shard == "gradients" and synchronizer.size > 1:  # the average is kept as slices from the first one
+            synchronizer.keep_slice = lambda bucket, counts: self._sharded(wrapped).keep_slice(  # type: ignore
+                bucket, counts)
+            synchronizer.slices_finite = lambda: self._sharded(wrapped).slices_finite()  # type: ignore[union-attr]
         for param in params:
             self.owner[id(param)] = wrapped
         self.wrapped.append(wrapped)
@@ -143,14 +156,17 @@ class SyncedOptimizers:
                 synchronizer.finalize()
                 if (self.nonfinite == "skip" or self.loss_scale is not None) and not self._goes_ahead(wrapped):
                     return None
-                if self.update is None:
+                if (sharded := self._sharded(wrapped)) is not None:
+                    result = sharded.step()
+                elif self.update is None:
                     result = original_step()
                 else:
                     result = self.update(self.wrapped.index(wrapped), optimizer)
             else:
-                if self.update is not None:
-                    raise ReplicatorUsageError("mode='async' cannot run an optimizer step with a closure: parameter "
-                                               "servers apply updates and cannot call it")
+                if self.update is not None or self.shard is not None:
+                    raise ReplicatorUsageError("an optimizer step with a closure (LBFGS) cannot run with mode='async' "
+                                               "(parameter servers apply updates) or with shard= (a closure's "
+                                               "line search needs the whole gradient on every replica)")
                 if state.accumulation != 1 or self.loss_scale is not None:
                     raise ReplicatorUsageError(
                         "optimizers that take a closure (LBFGS) cannot be combined with accumulate() or "
@@ -167,12 +183,40 @@ class SyncedOptimizers:
             original_zero_grad(set_to_none)
 
         def add_param_group(_: Any, param_group: dict[str, Any]) -> None:
+            if self.shard is not None:
+                raise ReplicatorUsageError(f"add_param_group() after wrapping is not available with shard="
+                                           f"{self.shard!r} yet; put every group in the optimizer before wrapping it")
             original_add_param_group(param_group)
             self._take_on_new_parameters(wrapped)
 
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
         optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
         optimizer.add_param_group = types.MethodType(add_param_group, optimizer)  # type: ignore[method-assign]
+        if self.shard is not None and synchronizer.size > 1:  # checkpoints hold the whole state, whatever the layout
+            SHARDED.add(optimizer)
+            original_state_dict, original_load = optimizer.state_dict, optimizer.load_state_dict
+            optimizer.state_dict = lambda: self._sharded(wrapped).state_dict(  # type: ignore[method-assign,union-attr]
+                original_state_dict)
+            optimizer.load_state_dict = lambda state_dict: self._sharded(  # type: ignore[method-assign,union-attr]
+                wrapped).load_state_dict(state_dict, original_load)
+
+    def _sharded(self, wrapped: WrappedOptimizer) -> ShardedOptimizer | None:
+        """The optimizer's shard (shard= and several replicas), built when first needed: after repl.scope() ended,
+        which may have moved the parameters to the device, and knowing the modules, whose sparse gradients no
+        slice can be summed from (refused before the first update)."""
+        if wrapped.sharded is not None or self.shard is None or wrapped.synchronizer.size == 1:
+            return wrapped.sharded
+        synchronizer = wrapped.synchronizer
+        sparse = set() if self.state.sparse_as_dense else sparse_parameters(self.state.modules)
+        for param in synchronizer.params:
+            if id(param) in sparse:
+                raise ReplicatorUsageError(
+                    f"shard={self.shard!r} cannot slice the sparse gradients of {synchronizer.name_of(param)} (an "
+                    "Embedding with sparse=True): pass sparse_as_dense=True to rp.Replicator, build the embedding "
+                    "with sparse=False, or drop shard=")
+        assert self.group is not None
+        wrapped.sharded = ShardedOptimizer(wrapped.optimizer, synchronizer, self.shard, self.group, self.context)
+        return wrapped.sharded
 
     def _take_on_new_parameters(self, wrapped: WrappedOptimizer) -> None:
         """After add_param_group: copy replica 0's values of the new parameters, then synchronize their gradients.
@@ -333,11 +377,21 @@ class SyncedOptimizers:
             return None
         for wrapped in owners:
             wrapped.synchronizer.finalize()
+        slices = [w.sharded for w in owners if (w.sharded or self._sharded(w)) and self.shard == "gradients"]
+        if slices:  # .grad is None: the average exists as slices, whose squares are summed across replicas
+            if len(slices) != len(owners) or len(slices) > 1:
+                raise ReplicatorUsageError("with shard='gradients', clip the parameters of one wrapped optimizer at a "
+                                           "time: call repl.clip_grad_norm_ once per optimizer")
+            norm = slices[0].clip_(params, max_norm, norm_type)  # type: ignore[union-attr]
+            return self._check_norm(norm)
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type).to(params[0].device if params else "cpu")
         if shards is not None:
             norm = _norm_of_shards(norm, norm_type, shards)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return self._check_norm(norm)
+
+    def _check_norm(self, norm: torch.Tensor) -> torch.Tensor:
         # The norm of averaged gradients is the same on every replica: so is this verdict. Under fp16 an
         # overflow is the loss scale's to handle: step() skips the update and lowers the scale.
         if self.nonfinite == "raise" and self.loss_scale is None and not bool(torch.isfinite(norm)):

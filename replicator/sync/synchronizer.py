@@ -76,6 +76,7 @@ class GradientSynchronizer:
         count: UpdateCount,
         on_wait: Callable[[float], None] = lambda seconds: None,
         debug: bool = False,
+        shard: str | None = None,
     ) -> None:
         self.group = group
         self.size = 1 if group is None else dist.get_world_size(group)
@@ -87,6 +88,11 @@ class GradientSynchronizer:
         self.count = count  # this optimizer's step() calls
         self.on_wait = on_wait
         self.debug = debug
+        # shard="gradients" (replicator.sync.sharding): .grad is freed as its bucket takes it, and each bucket, once
+        # averaged, hands this replica's slice to keep_slice(bucket, presence counts) and is released.
+        self.releases = shard == "gradients" and self.size > 1
+        self.keep_slice: Callable[[Bucket, list[float] | None], None] | None = None
+        self.slices_finite: Callable[[], bool] | None = None
         unique = list({id(p): p for p in params}.values())
         self.params = [p for p in unique if p.requires_grad]
         self.frozen = [p for p in unique if not p.requires_grad]
@@ -96,8 +102,10 @@ class GradientSynchronizer:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._reopen_hooks: list[torch.utils.hooks.RemovableHandle] = []  # armed after an accumulated average
         if self.size > 1:
+            # Released buckets are plain tensors: a reducer's shared mappings would outlive the release.
+            allocate = None if self.releases else getattr(reducer, "allocate", None)
             self.buckets = assign_buckets(self.params, bucket_cap_bytes, min(_FIRST_BUCKET_BYTES, bucket_cap_bytes),
-                                          getattr(reducer, "allocate", None))
+                                          allocate)
             for bucket in self.buckets:
                 for position, param in enumerate(bucket.params):
                     self._location[id(param)] = (bucket, position)
@@ -169,9 +177,13 @@ class GradientSynchronizer:
         bucket, position = self._location[id(param)]
         if bucket.launched or position in bucket.ready or self._reduced:
             # A second gradient in this window: finish this round, then reduce afresh.
+            self._refuse_second_round()
             self._finish_round()
             self._start_round()
+        bucket.ensure_buffer()
         bucket.load(position, self._scale())
+        if self.releases:  # its bucket holds it now: the full-size gradient need not outlive the backward pass
+            param.grad = None
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].complete:
             self._launch(self.buckets[self._next_bucket])
 
@@ -209,17 +221,24 @@ class GradientSynchronizer:
         bucket.launched = True
         recording = timeline.active()
         launched = timeline.clock() if recording is not None else 0.0
-        bucket.pending = self.reducer.reduce(bucket.buffer, self.group, bucket)  # type: ignore[arg-type]
+        # shard="gradients" keeps only this replica's slice: a reducer that can stop after its scatter does.
+        scatter = getattr(self.reducer, "scatter", None) if self.releases else None
+        pending = scatter(bucket.buffer, self.group, bucket) if scatter is not None else None
+        bucket.pending = pending or self.reducer.reduce(bucket.buffer, self.group, bucket)  # type: ignore[arg-type]
         if recording is not None:  # from launch to completion, on a track of its own: buckets overlap
             bucket.in_flight = timeline.InFlight(
                 recording, f"bucket {bucket.index}", "communication", launched, bucket.pending, timeline.BUCKETS,
                 {"bucket": bucket.index, "optimizer": self.label, "step": self.state.step, "round": self._rounds,
                  "bytes": bucket.numel * bucket.buffer.element_size(), "reducer": getattr(self.reducer, "name", "")})
         self._next_bucket = bucket.index + 1
+        if self.releases and bucket.index > 0:
+            # Few full buckets alive at once: the previous one's average is kept as a slice while this one travels.
+            self._settle(self.buckets[bucket.index - 1])
 
     def _finish_round(self) -> None:
         """Launch every bucket not yet launched this round, in order, with what it has; wait for them all."""
         for bucket in self.buckets[self._next_bucket :]:
+            bucket.ensure_buffer()
             for position in range(len(bucket.params)):
                 if position not in bucket.ready:
                     bucket.load(position, self._scale())
@@ -243,21 +262,35 @@ class GradientSynchronizer:
 
     def _wait_for_buckets(self) -> None:
         started = time.perf_counter()
-        if self._agreement_in_flight is not None:
+        for bucket in self.buckets:
+            self._wait_for(bucket)
+        self.on_wait(time.perf_counter() - started)
+
+    def _wait_for(self, bucket: Bucket) -> None:
+        if self._agreement_in_flight is not None:  # first: its error names what a bucket's failure only follows from
             in_flight, self._agreement_in_flight = self._agreement_in_flight, None
             in_flight.wait()
-        for bucket in self.buckets:
-            if bucket.pending is not None:
-                try:
-                    bucket.pending.wait()
-                except RuntimeError as error:
-                    where = f"gradient bucket {bucket.index} of {self.label}"
-                    raise_with_stragglers(self.agreement.group, where, error, debug=self.debug)
-                if bucket.in_flight is not None:
-                    bucket.in_flight.close(bucket.pending)
-                    bucket.in_flight = None
-                bucket.pending = None
+        if bucket.pending is not None:
+            try:
+                bucket.pending.wait()
+            except RuntimeError as error:
+                where = f"gradient bucket {bucket.index} of {self.label}"
+                raise_with_stragglers(self.agreement.group, where, error, debug=self.debug)
+            if bucket.in_flight is not None:
+                bucket.in_flight.close(bucket.pending)
+                bucket.in_flight = None
+            bucket.pending = None
+
+    def _settle(self, bucket: Bucket) -> None:
+        """shard="gradients": once `bucket` is averaged, keep this replica's slice of it and release the buffer."""
+        if not bucket.views:
+            return  # settled already
+        started = time.perf_counter()
+        self._wait_for(bucket)
         self.on_wait(time.perf_counter() - started)
+        assert self.keep_slice is not None
+        self.keep_slice(bucket, None if all(bucket.flags) else bucket.presence().tolist())
+        bucket.release_buffer()
 
     # -- at step ---------------------------------------------------------------------
     def _scale(self) -> float:
@@ -306,6 +339,13 @@ class GradientSynchronizer:
             return
         self._gather_sparse_of_known_modules()
         self._finish_round()
+        if self.releases:  # shard="gradients": only this replica's slices of the average stay
+            for bucket in self.buckets:
+                self._settle(bucket)
+            for param in self.params:
+                param.grad = None
+            self._reduced = True
+            return
         sparse = self._sum_sparse()
         for bucket in self.buckets:
             # Counts are read back only where this replica had no gradient of its own.
@@ -379,6 +419,8 @@ class GradientSynchronizer:
 
     def gradients_finite(self) -> bool:
         """After finalize(): are all averaged gradients finite? The same answer on every replica."""
+        if self.slices_finite is not None:
+            return self.slices_finite()
         if self.size > 1:
             sparse = [p.grad._values() for p in self.params if p.grad is not None and p.grad.is_sparse]
             return all_finite([*(bucket.buffer[: bucket.numel] for bucket in self.buckets), *sparse])
@@ -389,11 +431,21 @@ class GradientSynchronizer:
         GradientState.grad_scale) and reduce afresh, so that they add up with the new pass's scaled gradients."""
         if not self._reduced:
             return
+        self._refuse_second_round()
         with torch.no_grad():
             for param in self.params:
                 if param.grad is not None:
                     param.grad.mul_(factor)  # in place: a view of its bucket, which the next round reloads
         self._start_round()
+
+    def _refuse_second_round(self) -> None:
+        """shard="gradients" keeps no full gradient to reduce again: a second round in one update cannot be done."""
+        if self.releases:
+            raise ReplicatorUsageError(
+                f"a second backward pass added gradients to {self.label} after they were reduced in this update (at "
+                f"{_backward_site()}, replica {self.agreement.rank}); with shard='gradients' each replica keeps only "
+                "its slice of the average, so there is nothing to add them to. Sum the losses into one backward(), "
+                "accumulate with repl.accumulate(n) or no_sync(), or use shard='optimizer'")
 
     def end_window(self, discard: bool = False) -> None:
         """Close the window after `step` (or `zero_grad`, which discards its reductions).
@@ -405,6 +457,9 @@ class GradientSynchronizer:
             self._finish_round()
         self._disarm_reopen()
         self._start_round()
+        if self.releases:
+            for bucket in self.buckets:
+                bucket.release_buffer()
         self._window_open = False
         self._rounds = 0
         self._finalize_pass = None  # one that raised before its end never ran its callback

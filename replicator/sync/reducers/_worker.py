@@ -125,6 +125,24 @@ class SummationReducer:
             return self._worker.submit(lambda: sum_after(buffer, arrival), label, buffer.device)
         return self._worker.submit(lambda: self.summation.sum_(buffer), label, buffer.device)
 
+    def scatter(self, buffer: torch.Tensor, group: dist.ProcessGroup, bucket: Bucket) -> PendingWork | None:
+        """Reduce `bucket` only as far as its scatter (see SharedMemorySum.scatter_after): this replica's slice and
+        the presence slots summed. None where the summation cannot stop there (the caller reduces in full)."""
+        scatter = getattr(self.summation, "scatter_after", None)
+        if scatter is None or not getattr(self.summation, "gathers", False):
+            return None
+        check_group(group, self.summation.size, self.name, self._checked)
+        label = f"{self.name} reduce-scatter of bucket {bucket.index}"
+        return self._worker.submit(lambda: scatter(buffer, bucket.arrival, bucket.numel), label, buffer.device)
+
+    def all_gather(self, tensor: torch.Tensor, bounds: list[int]) -> PendingWork | None:
+        """Replica i's part `bounds[i]:bounds[i + 1]` of `tensor` everywhere, on the worker in submission order (after
+        the reductions before it); None where the summation has no such collective (the caller uses its own)."""
+        gather = getattr(self.summation, "all_gather_", None)
+        if gather is None or not getattr(self.summation, "gathers", False):
+            return None
+        return self._worker.submit(lambda: gather(tensor, bounds), f"{self.name} all-gather", tensor.device)
+
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """A bucket buffer the summation can reduce without copying, or None (allocate it as usual)."""
         allocate = getattr(self.summation, "allocate", None)

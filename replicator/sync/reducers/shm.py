@@ -7,6 +7,7 @@ import mmap
 import os
 import secrets
 import stat
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -87,6 +88,13 @@ class _Segment:
         self.rows = torch.frombuffer(self._mapping, dtype=dtype).view(replicas, numel)
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """The first columns of a larger segment's rows: a staged tensor's place."""
+
+    rows: torch.Tensor
+
+
 class SharedMemorySum:
     """Sums a tensor in place over the replicas of this stage through /dev/shm: over all of
     them when they share one node; with `per_node`, over each node's, with one all-reduce
@@ -123,7 +131,8 @@ class SharedMemorySum:
         dist.broadcast(token, src=neighbours[0], group=self.group)
         self.path_prefix = os.path.join(SHARED_MEMORY_DIR, f"replicator-{int(token):x}-stage{mesh.stage_id}")
         self._require_one_shared_memory(groups, neighbours, int(token))
-        self._staging: dict[tuple[int, torch.dtype], _Segment] = {}
+        self._staging: dict[torch.dtype, _Segment] = {}  # one per dtype, as long as the longest tensor staged
+        self._staged_segments = 0
         self._owned: dict[int, _Segment] = {}  # allocated buckets, by their row's address
         self._unnamed: list[str] = []  # mapped here, perhaps not yet by every peer
 
@@ -187,14 +196,46 @@ class SharedMemorySum:
                 pass  # a peer removed it first
         self._unnamed.clear()
 
-    def _staging_segment(self, numel: int, dtype: torch.dtype) -> _Segment:
-        key = (numel, dtype)
-        if key not in self._staging:
-            path = f"{self.path_prefix}-staging{len(self._staging)}"
-            self._staging[key] = _Segment(path, self.local_size, numel, dtype)
+    def _staging_segment(self, numel: int, dtype: torch.dtype) -> _Segment | _Rows:
+        """Where a tensor that is no allocated bucket is summed: the first `numel` columns of one segment per dtype,
+        replaced by a longer one when a longer tensor comes (every replica stages the same tensors in the same
+        order, so they replace it together). One per tensor length would keep a copy of every staged bucket
+        (shard="gradients" stages them all) in shared memory for good."""
+        segment = self._staging.get(dtype)
+        if segment is None or segment.rows.shape[1] < numel:
+            path = f"{self.path_prefix}-staging{self._staged_segments}"
+            self._staged_segments += 1
+            segment = self._staging[dtype] = _Segment(path, self.local_size, numel, dtype)
             self._unnamed.append(path)
             self.settle()
-        return self._staging[key]
+        return segment if segment.rows.shape[1] == numel else _Rows(segment.rows[:, :numel])
+
+    @property
+    def gathers(self) -> bool:
+        """Can `all_gather_` run here: do all the replicas share this node?"""
+        return self.across is None
+
+    def all_gather_(self, tensor: torch.Tensor, bounds: list[int]) -> None:
+        """Replica i holds elements `bounds[i]:bounds[i + 1]` of `tensor`; afterwards every replica holds them all.
+
+        Each replica writes its part into every replica's row of a staging segment, between two barriers (the
+        first: every replica is done with the segment's last use), then reads its own row.
+        """
+        flat = tensor.view(-1)
+        if flat.numel() == 0:
+            return
+        segment = self._staging_segment(flat.numel(), flat.dtype)
+        mine = slice(bounds[self.position], bounds[self.position + 1])
+        self._barrier()
+        for peer in range(self.local_size):
+            if peer != self.position:
+                segment.rows[peer, mine] = flat[mine]
+        self._barrier()
+        own = segment.rows[self.position]
+        for peer in range(self.local_size):
+            if peer != self.position:
+                theirs = slice(bounds[peer], bounds[peer + 1])
+                flat[theirs] = own[theirs]
 
     def sum_(self, tensor: torch.Tensor) -> None:
         self.sum_after(tensor, None)
@@ -212,7 +253,7 @@ class SharedMemorySum:
         flat = tensor.view(-1)
         if flat.numel() == 0:
             return  # every replica holds the same nothing; mmap cannot map zero bytes
-        segment = self._owned.get(flat.data_ptr())
+        segment: _Segment | _Rows | None = self._owned.get(flat.data_ptr())
         if segment is None or segment.rows.shape[1] != flat.numel():  # not an allocated bucket: stage it
             segment, staged = self._staging_segment(flat.numel(), flat.dtype), True
         else:
@@ -234,6 +275,36 @@ class SharedMemorySum:
         if staged:
             flat.copy_(own)
 
+    def scatter_after(self, tensor: torch.Tensor, arrival: PendingAgreement | None, tail: int) -> None:
+        """Sum like `sum_after`, but stop after the scatter: replica i's slice of `tensor` (the same slices as a sum's)
+        and the elements from `tail` on (a bucket's presence slots) hold the sums; the rest is left as it was.
+
+        What sharded data parallelism (shard="gradients") keeps: the writes of every slice into every peer's row,
+        and the copy out of the whole tensor, are saved. One node only (see `gathers`).
+        """
+        flat = tensor.view(-1)
+        if flat.numel() == 0:
+            return
+        segment: _Segment | _Rows | None = self._owned.get(flat.data_ptr())
+        staged = segment is None or segment.rows.shape[1] != flat.numel()
+        if staged:
+            segment = self._staging_segment(flat.numel(), flat.dtype)
+        assert segment is not None
+        own = segment.rows[self.position]
+        if staged:
+            own.copy_(flat)
+        bounds = [flat.numel() * k // self.local_size for k in range(self.local_size + 1)]
+        mine = slice(bounds[self.position], bounds[self.position + 1])
+        self._all_loaded(None if staged else arrival)
+        self._add_peers(segment, mine)
+        shared = slice(max(mine.start, tail), mine.stop)  # the tail's sums, which every replica needs
+        if shared.start < shared.stop:
+            self._write_to_peers(segment, shared)
+        self._barrier()
+        if staged:
+            flat[mine] = own[mine]
+            flat[tail:] = own[tail:]
+
     def _all_loaded(self, arrival: PendingAgreement | None) -> None:
         """Return once every local replica's row is loaded: the first barrier of a sum."""
         if arrival is None:
@@ -247,19 +318,19 @@ class SharedMemorySum:
     # the peers' slices into its own row's, then writes the sum back into theirs. Each replica
     # then finds the whole sum in its own row (a bucket's gradients already live there): the
     # buffer is read once, where summing apart and copying out would read it twice.
-    def _add_peers(self, segment: _Segment, mine: slice) -> None:
+    def _add_peers(self, segment: _Segment | _Rows, mine: slice) -> None:
         rows = segment.rows[:, mine]
         if self.local_size == 2:
             rows[self.position].add_(rows[1 - self.position])
         else:  # one pass over every row, where L - 1 additions in place would read this row L - 1 times
             rows[self.position] = rows.sum(dim=0)
 
-    def _write_to_peers(self, segment: _Segment, mine: slice) -> None:
+    def _write_to_peers(self, segment: _Segment | _Rows, mine: slice) -> None:
         for peer in range(self.local_size):
             if peer != self.position:
                 segment.rows[peer, mine] = segment.rows[self.position, mine]
 
-    def _sum_across_nodes(self, flat: torch.Tensor, segment: _Segment, bounds: list[int], staged: bool,
+    def _sum_across_nodes(self, flat: torch.Tensor, segment: _Segment | _Rows, bounds: list[int], staged: bool,
                           arrival: PendingAgreement | None) -> None:
         """Sum this node's slice chunk by chunk, all-reducing each chunk with the other nodes'
         replicas of the same slice (whose bounds are the same on every node), and write each
