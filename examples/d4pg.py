@@ -242,9 +242,11 @@ def evaluate(policy: nn.Module, env_name: str, episodes: int, seed: int) -> list
     returns = [0.0] * episodes
     running = list(range(episodes))
     while running:
-        actions = policy(torch.as_tensor(np.stack([observations[i] for i in running]), dtype=torch.float32))
+        device = next(policy.parameters()).device  # the replica's: a GPU where there is one
+        actions = policy(torch.as_tensor(np.stack([observations[i] for i in running]), dtype=torch.float32,
+                                         device=device))
         still = []
-        for i, action in zip(running, actions.numpy()):
+        for i, action in zip(running, actions.cpu().numpy()):
             observations[i], reward, terminated, truncated, _ = envs[i].step(action)
             returns[i] += float(reward)
             if not (terminated or truncated):
@@ -415,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         observation, _ = env.reset(seed=actor.seed)
         while actor.running:
             with torch.no_grad():  # torch's generator is seeded with actor.seed: each actor explores its own way
-                action = policy(torch.as_tensor(observation, dtype=torch.float32))
+                action = policy(torch.as_tensor(observation, dtype=torch.float32, device=repl.device)).cpu()
                 action = (action + args.sigma * torch.randn(action.shape)).clamp(-1.0, 1.0)
             next_observation, reward, terminated, truncated, _ = env.step(action.numpy())
             # N-step assembly, the send to a learner's shard, the rate limiter and the weight pulls happen here.

@@ -83,7 +83,7 @@ def failure_lines(failures: dict[int, int], errors: dict[int, RankError], stoppe
     because another had failed first."""
     summaries = {rank: _masked(errors[rank].summary(), rank) for rank in failures if rank in errors}
     consequences = {rank: errors[rank].after for rank in summaries
-                    if _follows(errors[rank].after, summaries[rank], summaries)}
+                    if _follows(errors[rank].after, _kind(errors[rank]), {r: _kind(errors[r]) for r in summaries})}
     by_error: dict[str, list[int]] = {}
     first_time: dict[str, float] = {}
     for rank in sorted(failures):
@@ -120,11 +120,17 @@ def failure_lines(failures: dict[int, int], errors: dict[int, RankError], stoppe
     return lines
 
 
-def _follows(after: tuple[int, ...], summary: str, summaries: dict[int, str]) -> bool:
-    """A failure that only followed others: some failed before it, with another error (the same error is the
-    same failure, raised on more replicas)."""
-    earlier = [rank for rank in after if rank in summaries]
-    return bool(earlier) and all(summaries[rank] != summary for rank in earlier)
+def _follows(after: tuple[int, ...], kind: str, kinds: dict[int, str]) -> bool:
+    """A failure that only followed others: some failed before it, each with another kind of error. An error of
+    the same kind is the same failure met on more replicas (each process's own EnvironmentUnavailable, say),
+    however its words differ; a peer's failure shows up as another kind (Gloo's closed connection)."""
+    earlier = [rank for rank in after if rank in kinds]
+    return bool(earlier) and all(kinds[rank] != kind for rank in earlier)
+
+
+def _kind(error: RankError) -> str:
+    """The error's type, as its message begins ("ValueError: ...")."""
+    return error.message.split(":", 1)[0].strip()
 
 
 def _masked(summary: str, rank: int) -> str:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from replicator.comm.objects import all_gather_values
 from replicator.context import ReplicaContext
 from replicator.errors import ReplicatorUsageError
 from replicator.health import all_finite
@@ -272,7 +273,8 @@ class ShardedOptimizer:
                     [key, "slice"] if isinstance(value, torch.Tensor) and value.shape == piece.tensor.shape
                     else [key, "tensor", float(value), str(value.dtype)] if isinstance(value, torch.Tensor)
                     else [key, "value", value] for key, value in state.items()]
-        for record in self.context.all_gather_object(described):
+        # JSON on the wire (comm.objects), never pickled: what each replica holds of the state, by name.
+        for record in all_gather_values(described, self.group):
             described.update(record)
         sliced = sorted({entry[0] for entries in described.values() for entry in entries if entry[1] == "slice"})
         for key in sliced:

@@ -40,7 +40,7 @@ def launch(tmp_path: Path, mode: str) -> str:
     script.write_text(SCRIPT)
     command = [sys.executable, "-m", "replicator.cli", "launch", "-n", "2", "--threads", "1",
                "--log-dir", str(tmp_path / "logs"), str(script), mode, str(tmp_path)]
-    env = {"REPLICATOR_PROGRESS": "0", "REPLICATOR_TIMEOUT": "60", "PATH": "/usr/bin:/bin",
+    env = {"REPLICATOR_PROGRESS": "0", "REPLICATOR_DEVICE": "cpu", "REPLICATOR_TIMEOUT": "60", "PATH": "/usr/bin:/bin",
            "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]}
     if "PYTHONPATH" in os.environ:  # a checkout put first on the path reaches the replicas too
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]

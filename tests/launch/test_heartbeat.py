@@ -51,8 +51,8 @@ def first_heartbeat_report(tmp_path: Path, mode: str) -> str:
     script.write_text(SCRIPT)
     command = [sys.executable, "-m", "replicator.cli", "launch", "-n", "2", "--threads", "1",
                "--log-dir", str(tmp_path / "logs"), str(script), mode, str(tmp_path)]
-    env = {"REPLICATOR_PROGRESS": "0", "REPLICATOR_HEARTBEAT": "2", "REPLICATOR_TIMEOUT": "240",
-           "PATH": "/usr/bin:/bin", "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]}
+    env = {"REPLICATOR_PROGRESS": "0", "REPLICATOR_DEVICE": "cpu", "REPLICATOR_HEARTBEAT": "2",
+           "REPLICATOR_TIMEOUT": "240", "PATH": "/usr/bin:/bin", "REPLICATOR_RUNS": os.environ["REPLICATOR_RUNS"]}
     if "PYTHONPATH" in os.environ:
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
