@@ -7,6 +7,7 @@ Only the main process (rank 0, which runs steps in every mode) writes; see docs/
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import numbers
@@ -110,6 +111,7 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
+@functools.cache  # read once: importlib.metadata parses the package's metadata file every time (~2 ms)
 def _version(package: str) -> str:
     try:
         return metadata.version(package)
