@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _harness import (
+    Spread,
     add_json_argument,
     compare,
     in_turns,
@@ -212,16 +213,21 @@ def two_process_job(config: Config) -> dict[str, Any]:
     _threads(config)
     torch.manual_seed(config.seed)
     replicas: dict[str, tuple[rp.Replicator, str, torch.nn.Module, torch.optim.Optimizer]] = {}
-    repls = [rp.Replicator(reducer=reducer) for reducer in config.reducers]
+    # One Replicator per contender, as a training script has one for its model: run() checks that
+    # every model in its scope is identical across replicas, and a shared scope would make the
+    # `run` contender check the `step_fn` contender's model too.
+    pairs = [(reducer, loop) for reducer in config.reducers
+             for loop in (config.loops if reducer == config.reducers[0] else config.loops[:1])]
+    repls = [rp.Replicator(reducer=reducer) for reducer, _ in pairs]
     with repls[0].scope():  # broadcasts replica 0's weights, whatever each process drew
         reference = make_model(config)
-    for reducer, repl in zip(config.reducers, repls):
+    reference.requires_grad_(False)  # never trained: the models below start from its values
+    for (reducer, loop), repl in zip(pairs, repls):
         with repl.scope():
-            for loop in config.loops if reducer == config.reducers[0] else config.loops[:1]:
-                model = make_model(config)
-                model.load_state_dict(reference.state_dict())
-                name = f"replicator {reducer} ({repl.reducer.name}, {loop})"
-                replicas[name] = (repl, loop, model, repl.wrap_optimizer(make_optimizer(model, config)))
+            model = make_model(config)
+            model.load_state_dict(reference.state_dict())
+            name = f"replicator {reducer} ({repl.reducer.name}, {loop})"
+            replicas[name] = (repl, loop, model, repl.wrap_optimizer(make_optimizer(model, config)))
     rank = dist.get_rank()
     initial = _flat_parameters(reference)
     ddp_model = make_model(config)
@@ -335,6 +341,39 @@ def _against_ceiling(figures: dict[str, dict[str, list[float]]]) -> list[str]:
     return lines
 
 
+def _run_against_step_fn(per_rank: list[dict[str, dict[str, list[float]]]]) -> tuple[list[str], dict[str, Any]]:
+    """What `repl.run` adds over calling step_fn directly: CPU ms per step summed over the processes.
+
+    Both contenders train the same model on the same batches with the same reducer, in turns; the
+    ratio is paired within each repetition. CPU time, not wall time: on a shared machine it counts
+    the work each loop does rather than the time it waited for the cores.
+    """
+    lines: list[str] = []
+    figures: dict[str, Any] = {}
+    for name in per_rank[0]:
+        if not name.endswith(", run)"):
+            continue
+        direct = name.removesuffix(", run)") + ", step_fn)"
+        if direct not in per_rank[0]:
+            continue
+        run_cpu = [sum(rank[name]["cpu_ms"][i] for rank in per_rank) for i in range(len(per_rank[0][name]["cpu_ms"]))]
+        direct_cpu = [sum(rank[direct]["cpu_ms"][i] for rank in per_rank)
+                      for i in range(len(per_rank[0][direct]["cpu_ms"]))]
+        ratios = [r / d for r, d in zip(run_cpu, direct_cpu, strict=True)]
+        run_spread, direct_spread, ratio_spread = Spread.of(run_cpu), Spread.of(direct_cpu), Spread.of(ratios)
+        label = name.removeprefix("replicator ").removesuffix(", run)") + ")"
+        figures[label] = {"run_cpu_ms": run_cpu, "step_fn_cpu_ms": direct_cpu, "paired_ratio": ratios}
+        lines += [
+            "",
+            f"repl.run against step_fn called directly, {label}: CPU ms per step, all {len(per_rank)} processes summed",
+            f"  repl.run: median {run_spread.median:.2f} ({run_spread.min:.2f}-{run_spread.max:.2f})",
+            f"  step_fn:  median {direct_spread.median:.2f} ({direct_spread.min:.2f}-{direct_spread.max:.2f})",
+            f"  run / step_fn, paired per repetition: median {ratio_spread.median:.3f} "
+            f"({ratio_spread.min:.3f}-{ratio_spread.max:.3f}), {100 * (ratio_spread.median - 1):+.1f} %",
+        ]
+    return lines, figures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=Config.repeats, help="interleaved repetitions per contender")
@@ -405,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
                         first["figures"], "torch DDP", 2 * config.batch)
         if config.ceiling:
             lines += _against_ceiling(first["figures"])
+        overhead_lines, report["two_processes"]["run_against_step_fn"] = _run_against_step_fn(
+            [result["figures"] for result in results])
+        lines += overhead_lines
         for result in results:
             for name, value in result["checks"].items():
                 lines.append(f"  check, rank {result['rank']}: {name} = {value:.3g}")
