@@ -45,7 +45,7 @@ def _digest(lines: list[str]) -> int:
     return zlib.crc32("\n".join(lines).encode("utf-8"))
 
 
-_BLOCK_WORDS = 1 << 16  # 8-byte words per block of a large tensor's digest: the multipliers (512 KB) stay in cache
+_BLOCK_WORDS = 1 << 17  # 8-byte words per block of a large tensor's digest: the multipliers (1 MB) stay in cache
 _CRC_BYTES = 1 << 18  # tensors up to this size get the CRC of their bytes; larger ones, the faster block digest
 
 
