@@ -11,6 +11,13 @@ load hits every contender alike; figures are medians over the repetitions. Many 
 repetitions rather than a few long ones: on a shared machine the load drifts within seconds,
 and only phases close in time make fair pairs. The processes keep glibc's heap between steps, as
 `replicator launch` makes replicas do (`--glibc-default` turns that off for every contender).
+
+Each replicator contender has a Replicator of its own, as a training script has one for its
+model. When replicator is driven both ways, a last table gives what `repl.run` costs over
+calling step_fn directly: CPU ms per step summed over both processes, paired per repetition.
+Every timed phase is one run() call of `--steps` steps, so it also pays run()'s fixed cost
+once (the identity checks at its start and end, which read the model and optimizer state,
+and the run record): `--steps 30` shows the per-step cost with less of it.
 """
 
 from __future__ import annotations
