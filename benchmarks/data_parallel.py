@@ -276,6 +276,35 @@ def two_process_job(config: Config) -> dict[str, Any]:
     return {"figures": figures, "checks": checks, "backend": backend, "rank": rank}
 
 
+def loops_job(config: Config) -> dict[str, Any]:
+    """One of 2 processes: one Replicator and one model, trained in turns through repl.run and by calling step_fn.
+
+    Both loops drive the very same model, optimizer and reducer, so what differs between their
+    phases is the loop alone: separate copies, even of the same model, can differ by a few
+    percent in speed through where their memory happens to lie.
+    """
+    _threads(config)
+    torch.manual_seed(config.seed)
+    repl = rp.Replicator(reducer=config.reducers[0])
+    with repl.scope():
+        model = make_model(config)
+        optimizer = repl.wrap_optimizer(make_optimizer(model, config))
+    rank = dist.get_rank()
+    initial = _flat_parameters(model)
+    batches = make_batches(config, shard=rank)
+    contenders = [Contender(loop, model, batches, _replicator_runner(repl, model, optimizer, loop))
+                  for loop in ("run", "step_fn")]
+    figures = _interleave(contenders, config, dist.barrier, slowest_rank)
+    mine = _flat_parameters(model)
+    checks = {"max |change since start|": float((mine - initial).abs().max())}
+    first = mine.clone()
+    dist.broadcast(first, src=0)
+    if rank != 0:
+        checks["replica vs replica 0, max |diff|"] = float((mine - first).abs().max())
+    repl.close()
+    return {"figures": figures, "checks": checks, "rank": rank}
+
+
 def one_process_job(config: Config) -> dict[str, Any]:
     """This process alone (no launcher variables): 1 replica (each loop) against a plain loop."""
     _threads(config)
@@ -348,27 +377,29 @@ def _against_ceiling(figures: dict[str, dict[str, list[float]]]) -> list[str]:
     return lines
 
 
-def _run_against_step_fn(per_rank: list[dict[str, dict[str, list[float]]]]) -> tuple[list[str], dict[str, Any]]:
+def _loop_pairs(names: list[str]) -> list[tuple[str, str, str]]:
+    """(label, run contender, step_fn contender) for each reducer timed both ways."""
+    return [(name.removeprefix("replicator ").removesuffix(", run)") + ")", name,
+             name.removesuffix(", run)") + ", step_fn)")
+            for name in names if name.endswith(", run)") and name.removesuffix(", run)") + ", step_fn)" in names]
+
+
+def _run_against_step_fn(per_rank: list[dict[str, dict[str, list[float]]]],
+                         pairs: list[tuple[str, str, str]]) -> tuple[list[str], dict[str, Any]]:
     """What `repl.run` adds over calling step_fn directly: CPU ms per step summed over the processes.
 
-    Both contenders train the same model on the same batches with the same reducer, in turns; the
-    ratio is paired within each repetition. CPU time, not wall time: on a shared machine it counts
-    the work each loop does rather than the time it waited for the cores.
+    Both contenders train on the same batches with the same reducer, in turns; the ratio is paired
+    within each repetition. CPU time, not wall time: on a shared machine it counts the work each
+    loop does rather than the time it waited for the cores.
     """
     lines: list[str] = []
     figures: dict[str, Any] = {}
-    for name in per_rank[0]:
-        if not name.endswith(", run)"):
-            continue
-        direct = name.removesuffix(", run)") + ", step_fn)"
-        if direct not in per_rank[0]:
-            continue
+    for label, name, direct in pairs:
         run_cpu = [sum(rank[name]["cpu_ms"][i] for rank in per_rank) for i in range(len(per_rank[0][name]["cpu_ms"]))]
         direct_cpu = [sum(rank[direct]["cpu_ms"][i] for rank in per_rank)
                       for i in range(len(per_rank[0][direct]["cpu_ms"]))]
         ratios = [r / d for r, d in zip(run_cpu, direct_cpu, strict=True)]
         run_spread, direct_spread, ratio_spread = Spread.of(run_cpu), Spread.of(direct_cpu), Spread.of(ratios)
-        label = name.removeprefix("replicator ").removesuffix(", run)") + ")"
         figures[label] = {"run_cpu_ms": run_cpu, "step_fn_cpu_ms": direct_cpu, "paired_ratio": ratios}
         lines += [
             "",
@@ -399,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reducers", default=",".join(Config.reducers),
                         help="comma-separated replicator reducers to time against DDP "
                              "(the first also with every --loop)")
-    parser.add_argument("--only", choices=("2", "1", "both"), default="both", help="which comparison to run")
+    parser.add_argument("--only", choices=("2", "1", "both", "loops"), default="both",
+                        help="which comparison to run; 'loops': repl.run against step_fn on one model and one "
+                             "Replicator (2 processes)")
     add_json_argument(parser, "data_parallel")
     parser.add_argument("--glibc-default", action="store_true",
                         help="leave glibc's heap settings at their defaults "
@@ -452,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         if config.ceiling:
             lines += _against_ceiling(first["figures"])
         overhead_lines, report["two_processes"]["run_against_step_fn"] = _run_against_step_fn(
-            [result["figures"] for result in results])
+            [result["figures"] for result in results], _loop_pairs(list(first["figures"])))
         lines += overhead_lines
         for result in results:
             for name, value in result["checks"].items():
@@ -461,6 +494,21 @@ def main(argv: list[str] | None = None) -> int:
         ok = worst <= 1e-4 and all(r["checks"]["torch DDP: max |change since start|"] > 1e-6 for r in results)
         healthy &= ok
         lines.append(f"  parameters trained and agree after the timed runs (tolerance 1e-4): {'yes' if ok else 'NO'}")
+        lines.append(f"  ({time.perf_counter() - started:.0f} s)")
+    if options.only == "loops":
+        started = time.perf_counter()
+        results = run_replicas(loops_job, 2, config, timeout_s=60.0 + 30.0 * config.repeats * config.steps)
+        label = f"one model and one Replicator ({config.reducers[0]}), driven both ways in turns"
+        loop_lines, report["loops"] = _run_against_step_fn([result["figures"] for result in results],
+                                                           [(label, "run", "step_fn")])
+        lines += loop_lines
+        for result in results:
+            for name, value in result["checks"].items():
+                lines.append(f"  check, rank {result['rank']}: {name} = {value:.3g}")
+        ok = all(r["checks"]["max |change since start|"] > 1e-6 for r in results) and \
+            all(r["checks"].get("replica vs replica 0, max |diff|", 0.0) == 0.0 for r in results)
+        healthy &= ok
+        lines.append(f"  parameters trained and identical on both replicas: {'yes' if ok else 'NO'}")
         lines.append(f"  ({time.perf_counter() - started:.0f} s)")
     if options.only in ("1", "both"):
         started = time.perf_counter()
