@@ -281,7 +281,7 @@ def loops_job(config: Config) -> dict[str, Any]:
 
     Both loops drive the very same model, optimizer and reducer, so what differs between their
     phases is the loop alone: separate copies, even of the same model, can differ by a few
-    percent in speed through where their memory happens to lie.
+    percent in speed between themselves, more than what run() adds per step.
     """
     _threads(config)
     torch.manual_seed(config.seed)
