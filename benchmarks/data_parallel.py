@@ -17,7 +17,11 @@ model. When replicator is driven both ways, a last table gives what `repl.run` c
 calling step_fn directly: CPU ms per step summed over both processes, paired per repetition.
 Every timed phase is one run() call of `--steps` steps, so it also pays run()'s fixed cost
 once (the identity checks at its start and end, which read the model and optimizer state,
-and the run record): `--steps 30` shows the per-step cost with less of it.
+and the run record): `--steps 30` shows the per-step cost with less of it. Copies of the
+model can differ by a few percent between themselves, so `--only loops` drives one model and
+one Replicator both ways, in turns, for the figure of the loop alone:
+
+    .venv/bin/python benchmarks/data_parallel.py --only loops --repeats 15 --steps 6 --batch 64
 """
 
 from __future__ import annotations
