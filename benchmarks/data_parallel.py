@@ -11,6 +11,17 @@ load hits every contender alike; figures are medians over the repetitions. Many 
 repetitions rather than a few long ones: on a shared machine the load drifts within seconds,
 and only phases close in time make fair pairs. The processes keep glibc's heap between steps, as
 `replicator launch` makes replicas do (`--glibc-default` turns that off for every contender).
+
+Each replicator contender has a Replicator of its own, as a training script has one for its
+model. When replicator is driven both ways, a last table gives what `repl.run` costs over
+calling step_fn directly: CPU ms per step summed over both processes, paired per repetition.
+Every timed phase is one run() call of `--steps` steps, so it also pays run()'s fixed cost
+once (the identity checks at its start and end, which read the model and optimizer state,
+and the run record): `--steps 30` shows the per-step cost with less of it. Copies of the
+model can differ by a few percent between themselves, so `--only loops` drives one model and
+one Replicator both ways, in turns, for the figure of the loop alone:
+
+    .venv/bin/python benchmarks/data_parallel.py --only loops --repeats 15 --steps 6 --batch 64
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _harness import (
+    Spread,
     add_json_argument,
     compare,
     in_turns,
@@ -212,16 +224,21 @@ def two_process_job(config: Config) -> dict[str, Any]:
     _threads(config)
     torch.manual_seed(config.seed)
     replicas: dict[str, tuple[rp.Replicator, str, torch.nn.Module, torch.optim.Optimizer]] = {}
-    repls = [rp.Replicator(reducer=reducer) for reducer in config.reducers]
+    # One Replicator per contender, as a training script has one for its model: run() checks that
+    # every model in its scope is identical across replicas, and a shared scope would make the
+    # `run` contender check the `step_fn` contender's model too.
+    pairs = [(reducer, loop) for reducer in config.reducers
+             for loop in (config.loops if reducer == config.reducers[0] else config.loops[:1])]
+    repls = [rp.Replicator(reducer=reducer) for reducer, _ in pairs]
     with repls[0].scope():  # broadcasts replica 0's weights, whatever each process drew
         reference = make_model(config)
-    for reducer, repl in zip(config.reducers, repls):
+    reference.requires_grad_(False)  # never trained: the models below start from its values
+    for (reducer, loop), repl in zip(pairs, repls):
         with repl.scope():
-            for loop in config.loops if reducer == config.reducers[0] else config.loops[:1]:
-                model = make_model(config)
-                model.load_state_dict(reference.state_dict())
-                name = f"replicator {reducer} ({repl.reducer.name}, {loop})"
-                replicas[name] = (repl, loop, model, repl.wrap_optimizer(make_optimizer(model, config)))
+            model = make_model(config)
+            model.load_state_dict(reference.state_dict())
+            name = f"replicator {reducer} ({repl.reducer.name}, {loop})"
+            replicas[name] = (repl, loop, model, repl.wrap_optimizer(make_optimizer(model, config)))
     rank = dist.get_rank()
     initial = _flat_parameters(reference)
     ddp_model = make_model(config)
@@ -261,6 +278,35 @@ def two_process_job(config: Config) -> dict[str, Any]:
     for repl in reversed(repls):
         repl.close()
     return {"figures": figures, "checks": checks, "backend": backend, "rank": rank}
+
+
+def loops_job(config: Config) -> dict[str, Any]:
+    """One of 2 processes: one Replicator and one model, trained in turns through repl.run and by calling step_fn.
+
+    Both loops drive the very same model, optimizer and reducer, so what differs between their
+    phases is the loop alone: separate copies, even of the same model, can differ by a few
+    percent in speed between themselves, more than what run() adds per step.
+    """
+    _threads(config)
+    torch.manual_seed(config.seed)
+    repl = rp.Replicator(reducer=config.reducers[0])
+    with repl.scope():
+        model = make_model(config)
+        optimizer = repl.wrap_optimizer(make_optimizer(model, config))
+    rank = dist.get_rank()
+    initial = _flat_parameters(model)
+    batches = make_batches(config, shard=rank)
+    contenders = [Contender(loop, model, batches, _replicator_runner(repl, model, optimizer, loop))
+                  for loop in ("run", "step_fn")]
+    figures = _interleave(contenders, config, dist.barrier, slowest_rank)
+    mine = _flat_parameters(model)
+    checks = {"max |change since start|": float((mine - initial).abs().max())}
+    first = mine.clone()
+    dist.broadcast(first, src=0)
+    if rank != 0:
+        checks["replica vs replica 0, max |diff|"] = float((mine - first).abs().max())
+    repl.close()
+    return {"figures": figures, "checks": checks, "rank": rank}
 
 
 def one_process_job(config: Config) -> dict[str, Any]:
@@ -335,6 +381,41 @@ def _against_ceiling(figures: dict[str, dict[str, list[float]]]) -> list[str]:
     return lines
 
 
+def _loop_pairs(names: list[str]) -> list[tuple[str, str, str]]:
+    """(label, run contender, step_fn contender) for each reducer timed both ways."""
+    return [(name.removeprefix("replicator ").removesuffix(", run)") + ")", name,
+             name.removesuffix(", run)") + ", step_fn)")
+            for name in names if name.endswith(", run)") and name.removesuffix(", run)") + ", step_fn)" in names]
+
+
+def _run_against_step_fn(per_rank: list[dict[str, dict[str, list[float]]]],
+                         pairs: list[tuple[str, str, str]]) -> tuple[list[str], dict[str, Any]]:
+    """What `repl.run` adds over calling step_fn directly: CPU ms per step summed over the processes.
+
+    Both contenders train on the same batches with the same reducer, in turns; the ratio is paired
+    within each repetition. CPU time, not wall time: on a shared machine it counts the work each
+    loop does rather than the time it waited for the cores.
+    """
+    lines: list[str] = []
+    figures: dict[str, Any] = {}
+    for label, name, direct in pairs:
+        run_cpu = [sum(rank[name]["cpu_ms"][i] for rank in per_rank) for i in range(len(per_rank[0][name]["cpu_ms"]))]
+        direct_cpu = [sum(rank[direct]["cpu_ms"][i] for rank in per_rank)
+                      for i in range(len(per_rank[0][direct]["cpu_ms"]))]
+        ratios = [r / d for r, d in zip(run_cpu, direct_cpu, strict=True)]
+        run_spread, direct_spread, ratio_spread = Spread.of(run_cpu), Spread.of(direct_cpu), Spread.of(ratios)
+        figures[label] = {"run_cpu_ms": run_cpu, "step_fn_cpu_ms": direct_cpu, "paired_ratio": ratios}
+        lines += [
+            "",
+            f"repl.run against step_fn called directly, {label}: CPU ms per step, all {len(per_rank)} processes summed",
+            f"  repl.run: median {run_spread.median:.2f} ({run_spread.min:.2f}-{run_spread.max:.2f})",
+            f"  step_fn:  median {direct_spread.median:.2f} ({direct_spread.min:.2f}-{direct_spread.max:.2f})",
+            f"  run / step_fn, paired per repetition: median {ratio_spread.median:.3f} "
+            f"({ratio_spread.min:.3f}-{ratio_spread.max:.3f}), {100 * (ratio_spread.median - 1):+.1f} %",
+        ]
+    return lines, figures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=Config.repeats, help="interleaved repetitions per contender")
@@ -353,7 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reducers", default=",".join(Config.reducers),
                         help="comma-separated replicator reducers to time against DDP "
                              "(the first also with every --loop)")
-    parser.add_argument("--only", choices=("2", "1", "both"), default="both", help="which comparison to run")
+    parser.add_argument("--only", choices=("2", "1", "both", "loops"), default="both",
+                        help="which comparison to run; 'loops': repl.run against step_fn on one model and one "
+                             "Replicator (2 processes)")
     add_json_argument(parser, "data_parallel")
     parser.add_argument("--glibc-default", action="store_true",
                         help="leave glibc's heap settings at their defaults "
@@ -405,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
                         first["figures"], "torch DDP", 2 * config.batch)
         if config.ceiling:
             lines += _against_ceiling(first["figures"])
+        overhead_lines, report["two_processes"]["run_against_step_fn"] = _run_against_step_fn(
+            [result["figures"] for result in results], _loop_pairs(list(first["figures"])))
+        lines += overhead_lines
         for result in results:
             for name, value in result["checks"].items():
                 lines.append(f"  check, rank {result['rank']}: {name} = {value:.3g}")
@@ -412,6 +498,21 @@ def main(argv: list[str] | None = None) -> int:
         ok = worst <= 1e-4 and all(r["checks"]["torch DDP: max |change since start|"] > 1e-6 for r in results)
         healthy &= ok
         lines.append(f"  parameters trained and agree after the timed runs (tolerance 1e-4): {'yes' if ok else 'NO'}")
+        lines.append(f"  ({time.perf_counter() - started:.0f} s)")
+    if options.only == "loops":
+        started = time.perf_counter()
+        results = run_replicas(loops_job, 2, config, timeout_s=60.0 + 30.0 * config.repeats * config.steps)
+        label = f"one model and one Replicator ({config.reducers[0]}), driven both ways in turns"
+        loop_lines, report["loops"] = _run_against_step_fn([result["figures"] for result in results],
+                                                           [(label, "run", "step_fn")])
+        lines += loop_lines
+        for result in results:
+            for name, value in result["checks"].items():
+                lines.append(f"  check, rank {result['rank']}: {name} = {value:.3g}")
+        ok = all(r["checks"]["max |change since start|"] > 1e-6 for r in results) and \
+            all(r["checks"].get("replica vs replica 0, max |diff|", 0.0) == 0.0 for r in results)
+        healthy &= ok
+        lines.append(f"  parameters trained and identical on both replicas: {'yes' if ok else 'NO'}")
         lines.append(f"  ({time.perf_counter() - started:.0f} s)")
     if options.only in ("1", "both"):
         started = time.perf_counter()

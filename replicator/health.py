@@ -24,6 +24,10 @@ def check_nonfinite_policy(policy: str) -> None:
 
 def _numbers(output: Any) -> Iterator[tuple[str, torch.Tensor | float]]:
     """Each floating-point tensor and float in step_fn's output (nested in dicts, lists, tuples), with where it sits."""
+    if isinstance(output, torch.Tensor):  # the usual output, a loss: judged every step, so no walk for it
+        if output.is_floating_point() or output.is_complex():
+            yield "output", output.detach()
+        return
     for where, value in leaves_with_paths(output, "output"):
         if isinstance(value, torch.Tensor):
             if value.is_floating_point() or value.is_complex():
@@ -57,6 +61,9 @@ class OutputCheck:
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(value.device))
                 self._copied.append(event)
+            elif value.numel() == 1 and not value.is_complex():  # a scalar: one read, not three tensor operations
+                if not math.isfinite(value.item()):
+                    self._spots.append(where)
             elif not bool(torch.isfinite(value).all()):
                 self._spots.append(where)
 

@@ -348,6 +348,8 @@ _REDUCIBLE = (torch.Tensor, bool, int, float)
 
 def check_output(output: Any) -> None:
     """step_fn may return tensors, numbers and (nested) dicts, lists and tuples of them."""
+    if output is None or isinstance(output, _REDUCIBLE):
+        return  # a single loss, the most common output: no walk at all
     if all(leaf is None or isinstance(leaf, _REDUCIBLE) for leaf in flatten(output)[0]):
         return  # the common case, every step: no paths to spell out
     for where, value in leaves_with_paths(output, "the output"):

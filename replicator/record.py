@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import math
 import numbers
@@ -41,6 +42,9 @@ COLUMNS = ("step", "time", "wall_time", "samples", "samples_per_second", "step_s
 BREAKDOWN_FIELDS = ("steps", "step_seconds", "compute_seconds", "communication_seconds", "input_seconds")
 # Seconds between TensorBoard's flushes to disk: a crashed run keeps its curves up to then.
 BOARD_FLUSH_S = 10
+# Seconds between hand-overs of host scalars' TensorBoard events to the writer thread: waking it every step cost
+# more than the step's line itself, and the events wait for BOARD_FLUSH_S anyway.
+BOARD_HANDOFF_S = 0.5
 
 
 @dataclass
@@ -111,6 +115,7 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
+@functools.cache  # read once: importlib.metadata parses the package's metadata file every time (~2 ms)
 def _version(package: str) -> str:
     try:
         return metadata.version(package)
@@ -226,8 +231,8 @@ def breakdown(per_replica: list[list[float]]) -> list[dict[str, Any]]:
 class RunRecord:
     """One run()'s record, as an observer of the step loop (replicator.loop.Observer).
 
-    On the main process it writes `config.json` when the run starts, a line of `metrics.jsonl` (and
-    TensorBoard scalars) per step, flushed as it goes, and `summary.json` when the run ends: by
+    On the main process it writes `config.json` when the run starts, a line of `metrics.jsonl` per step,
+    flushed as it goes (and TensorBoard scalars, flushed every BOARD_FLUSH_S), and `summary.json` when the run ends: by
     `finish()` with repl.last_run, or, when the loop was left by an error or a `break`, with what the
     record itself measured. Elsewhere, or when recording is off, it does nothing and `directory` is None.
     """
@@ -238,11 +243,16 @@ class RunRecord:
         self.tensorboard = False
         self._metrics: IO[str] | None = None
         self._board: Any = None
-        self._board_type: Any = None  # SummaryWriter, made by the writer thread at the first step
-        # Lines are formatted and written by a thread of their own: reading a loss from a GPU there never makes
-        # the training thread wait for the device, and TensorBoard's event encoding stays off the step.
-        self._queue: queue.SimpleQueue[_Step | None] = queue.SimpleQueue()
+        self._board_type: Any = None  # SummaryWriter, made at the first step (it may drop steps first)
+        # A step whose scalars are on the host has its line written at once (a few µs); its TensorBoard events
+        # go to a thread of their own in batches, so their encoding stays off the step. Once a scalar is on a
+        # device, every line goes through that thread too (in order): reading a loss from a GPU there never
+        # makes the training thread wait for the device.
+        self._queue: queue.SimpleQueue[_Step | list[_Step] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
+        self._board_steps: list[_Step] = []  # host steps whose TensorBoard events are not handed over yet
+        self._handed = 0.0  # when they last were
+        self._through_writer = False  # a scalar was on a device: lines go through the writer thread
         self._started = self._last_end = time.perf_counter()
         self._clock_started = False
         self._steps = self._samples = 0
@@ -299,8 +309,17 @@ class RunRecord:
         if self._metrics is None:
             return
         now = time.perf_counter()
-        scalars = _scalars(output)
-        self._queue.put(_Step(step, now - self._started, time.time(), samples, now - self._last_end, seconds, scalars))
+        entry = _Step(step, now - self._started, time.time(), samples, now - self._last_end, seconds, _scalars(output))
+        if not self._through_writer and all(not isinstance(value, torch.Tensor) or value.device.type == "cpu"
+                                            for _, value in entry.scalars):
+            self._write_step(entry, board=False)
+            self._board_steps.append(entry)
+            if now - self._handed >= BOARD_HANDOFF_S:
+                self._hand_over_board(now)
+        else:
+            self._hand_over_board(now)
+            self._through_writer = True
+            self._queue.put(entry)
         self._last_end = now
         self._steps += 1
         self._samples += samples
@@ -312,6 +331,7 @@ class RunRecord:
         if self.directory is None:
             return
         if self._writer is not None:
+            self._hand_over_board(time.perf_counter())
             self._queue.put(None)  # every line before it is written and flushed, then the files close
             self._writer.join()
         ending = sys.exc_info()[1]  # called from the loop's `finally`: the error leaving it, if any
@@ -330,15 +350,26 @@ class RunRecord:
                              "breakdown": breakdown(figures.get("per_replica") or [])})
         return figures
 
+    def _hand_over_board(self, now: float) -> None:
+        """Give the writer thread the TensorBoard events of the host steps written since the last hand-over."""
+        if self._board_steps:
+            if self._board is not None:
+                self._queue.put(self._board_steps)
+            self._board_steps = []
+        self._handed = now
+
     def _write_lines(self) -> None:
-        """The writer thread: each step's line as it comes, until the run ends."""
+        """The writer thread: each step's line (or a batch of host steps' TensorBoard events) as it comes."""
         while (entry := self._queue.get()) is not None:
-            if self._metrics is not None:
+            if isinstance(entry, list):
+                for step in entry:
+                    self._write_board(step, {name: _number(value) for name, value in step.scalars})
+            elif self._metrics is not None:
                 self._write_step(entry)
         self._close()
 
-    def _write_step(self, entry: _Step) -> None:
-        if self._first_written is None:
+    def _write_step(self, entry: _Step, board: bool = True) -> None:
+        if self._first_written is None:  # on the thread that writes first: the training thread for host scalars
             self._begin_writing(entry.step)
         assert self._metrics is not None
         values = {name: _number(value) for name, value in entry.scalars}
@@ -352,14 +383,27 @@ class RunRecord:
         except OSError as error:
             print(f"replicator: the run record stopped at step {entry.step} ({type(error).__name__}: {error})",
                   file=sys.stderr, flush=True)
-            self._close()
+            if board:  # the writer thread, which alone writes the files by now
+                self._close()
+            else:  # the training thread: the writer thread closes TensorBoard's file when the run ends
+                self._metrics.close()
+                self._metrics, self._board_steps = None, []
             return
-        if self._board is not None:
-            for name, value in values.items():
-                if value is not None:
-                    self._board.add_scalar(name, value, entry.step, walltime=entry.wall_time)
-            if rate is not None:
-                self._board.add_scalar("replicator/samples_per_second", rate, entry.step, walltime=entry.wall_time)
+        if board:
+            self._write_board(entry, values)
+
+    def _write_board(self, entry: _Step, values: dict[str, float | int | None]) -> None:
+        """The step's scalars as one TensorBoard event (each event costs a pure-Python CRC, twice)."""
+        if self._board is None:
+            return
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch.utils.tensorboard.summary import scalar
+
+        rate = entry.samples / entry.interval if entry.interval > 0 else None
+        named = [*values.items(), ("replicator/samples_per_second", rate)]
+        summary = Summary(value=[scalar(name, value).value[0] for name, value in named if value is not None])
+        if summary.value:
+            self._board.file_writer.add_summary(summary, entry.step, walltime=entry.wall_time)
 
     def _begin_writing(self, first: int) -> None:
         """Before the run's first line: drop the lines of steps from `first` on, which a run that appends to an

@@ -100,6 +100,17 @@ def test_a_two_replica_run_records_each_step_once_with_its_config_and_summary(tm
     assert summary["record"]["steps"] == STEPS and summary["record"]["samples"] == STEPS * GLOBAL_BATCH
     assert summary["record"]["tensorboard"] is True
     assert list(runs[0].glob("events.out.tfevents.*"))  # TensorBoard's, as it is installed here
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(runs[0]))
+    board.Reload()
+    scalars = {tag: board.Scalars(tag) for tag in board.Tags()["scalars"]}
+    assert sorted(scalars) == ["loss", "metrics/accuracy", "metrics/replica", "replicator/samples_per_second"]
+    for tag, events in scalars.items():  # every step of every scalar, as metrics.jsonl has them (float32)
+        assert [event.step for event in events] == list(range(STEPS))
+        column = "samples_per_second" if tag.startswith("replicator/") else tag
+        assert [event.value for event in events] == \
+            [pytest.approx(line[column], rel=torch.finfo(torch.float32).eps) for line in metrics]
 
 
 def test_without_tensorboard_the_record_has_everything_else(tmp_path: Path) -> None:
