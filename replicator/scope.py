@@ -13,6 +13,7 @@ from torch.nn.parameter import is_lazy
 from replicator.comm.agreement import Agreement
 from replicator.errors import ReplicatorUsageError
 from replicator.identity import broadcast_from_first, require_same_layout
+from replicator.sync.fsdp import ShardPolicy, shard_modules
 from replicator.topology import Mesh, ProcessGroups
 
 __all__ = ["ModelScope"]
@@ -56,8 +57,10 @@ class _Block:
 class ModelScope:
     """The modules built in `repl.scope()` blocks, with their tensors' names for error messages."""
 
-    def __init__(self, groups: ProcessGroups, device: torch.device, agreement: Agreement) -> None:
+    def __init__(self, groups: ProcessGroups, device: torch.device, agreement: Agreement,
+                 shard: str | None = None) -> None:
         self.groups = groups
+        self.shard = shard  # "parameters": the block's modules are sharded with FSDP2 when it ends
         self.agreement = agreement  # among this stage's replicas, who build and copy the same model
         self.mesh: Mesh = groups.mesh
         self.device = device
@@ -74,11 +77,15 @@ class ModelScope:
         return {**(self._open.names() if self._open else {}), **self.tensor_names}
 
     @contextlib.contextmanager
-    def block(self, optimized: Callable[[], Iterable[torch.Tensor]]) -> Iterator[None]:
+    def block(self, optimized: Callable[[], Iterable[torch.Tensor]],
+              sharded: Callable[[dict[int, torch.nn.Parameter]], None] = lambda successors: None,
+              policy: ShardPolicy | None = None) -> Iterator[None]:
         """Watch what is built; at the end move it to the device and copy replica 0's values everywhere.
 
         The tensors that `optimized()` returns when the block ends (the wrapped optimizers'
-        parameters, some perhaps built before it) are checked and copied too.
+        parameters, some perhaps built before it) are checked and copied too. With shard="parameters"
+        the block's modules are then sharded (units chosen by `policy`, replicator.sync.fsdp), and
+        `sharded(successors)` puts the sharded parameters in the wrapped optimizers.
         """
         if self._open is not None:
             raise ReplicatorUsageError("repl.scope() is already open; scopes do not nest")
@@ -98,6 +105,12 @@ class ModelScope:
                 handle.remove()
             self._open = None
         self._finish(block, optimized())
+        if self.shard == "parameters" and self.groups.replica is not None and self.mesh.num_replicas > 1:
+            successors = shard_modules(block.roots(), self.groups.replica, self.device, policy)
+            for old, new in successors.items():  # the sharded parameters keep the names errors give
+                if old in self.tensor_names:
+                    self.tensor_names[id(new)] = self.tensor_names[old]
+            sharded(successors)
 
     def keep_stage(self, layers: torch.nn.Module | Iterable[torch.nn.Module], stage: torch.nn.Module) -> None:
         """Forget every module of `layers` outside `stage`, and every module holding one, once a pipeline is cut.

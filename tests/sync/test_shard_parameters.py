@@ -1,0 +1,278 @@
+"""shard="parameters" (ZeRO-3): the scope's modules sharded with FSDP2, bit for bit what plain FSDP2 gives.
+
+Why bit for bit against plain FSDP2: both shard the same units (every direct child holding
+parameters, then the root) over the same two processes, from the same initial values, so
+every all-gather, reduce-scatter and optimizer step is the same arithmetic on the same shards;
+replicator adds no arithmetic of its own (its clip, when asked, multiplies the shards by the same
+factor torch.nn.utils.clip_grads_with_norm_ computes). Against one process the reductions run
+in another order, so there the comparison has a tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import replicator as rp
+from replicator.errors import ReplicatorUsageError
+from replicator.testing import run_replicas
+
+REPLICAS = 2
+GLOBAL_BATCH = 12
+STEPS = 4
+LR = 0.05
+EPS = torch.finfo(torch.float32).eps
+# Against one process: every update moves a parameter by at most lr (Adam's |m / sqrt(v)| <= ~1; SGD's
+# |grad| < 1 here), in a direction that differs from one process's by the roundings on its way, bounded
+# by 32 ulps relative: the batch sum in another order (log2(GLOBAL_BATCH) < 4), the sum over replicas
+# (<= 2), the moments, root and quotient (~10), doubled for the momentum that carries earlier steps'.
+# STEPS updates add up (the same derivation as tests/sync/test_sharding.py's).
+ONE_PROCESS_ATOL = STEPS * LR * 32 * EPS
+
+
+class Net(torch.nn.Module):
+    """Three units of different sizes, and a parameter of one element (fewer than the replicas) in the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(6, 16)
+        self.hidden = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+        self.head = torch.nn.Linear(16, 6)
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(torch.tanh(self.embed(x))))) * self.scale
+
+
+UNITS = ("embed", "hidden", "head")  # the default policy's units: the direct children holding parameters
+
+
+def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=LR, momentum=0.9, weight_decay=0.01)
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(GLOBAL_BATCH, 6, generator=generator), torch.randn(GLOBAL_BATCH, 6, generator=generator)
+
+
+def my_batch(step: int, replica: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = global_batch(step)
+    share = GLOBAL_BATCH // replicas
+    return x[replica * share : (replica + 1) * share], y[replica * share : (replica + 1) * share]
+
+
+def whole(param: torch.Tensor) -> torch.Tensor:
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+
+
+def local_bytes(tensors: list[torch.Tensor]) -> int:
+    locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in locals_)
+
+
+def reference(kind: str, clip: bool) -> list[torch.Tensor]:
+    """One process, the whole batch each step."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = make_optimizer(kind, model.parameters())
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        optimizer.step()
+    return [whole(p) for p in model.parameters()]
+
+
+def plain_fsdp2(kind: str, clip: bool) -> list[torch.Tensor]:
+    """torch's FSDP2 by hand, with the same units, in the processes replicator already joined."""
+    torch.manual_seed(0)
+    model = Net()
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    for name in UNITS:
+        fully_shard(getattr(model, name), mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = make_optimizer(kind, model.parameters())
+    for step in range(STEPS):
+        x, y = my_batch(step, dist.get_rank(), dist.get_world_size())
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        optimizer.step()
+    return [whole(p) for p in model.parameters()]
+
+
+def train(kind: str, clip: bool) -> dict[str, Any]:
+    """Inside a replica: shard="parameters", then plain FSDP2, in the same processes."""
+    repl = rp.Replicator(shard="parameters")
+    with repl.scope():
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = repl.wrap_optimizer(make_optimizer(kind, model.parameters()))
+    seen: dict[str, Any] = {"gathered": 0}
+
+    def note_gathered(module: torch.nn.Module, args: Any) -> None:
+        # Runs after FSDP2's own pre-forward hook (registered first): what is gathered while this layer runs.
+        plain = [p for p in model.parameters() if not isinstance(p, DTensor)]
+        seen["gathered"] = max(seen["gathered"], sum(p.numel() * p.element_size() for p in plain))
+
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear):
+            layer.register_forward_pre_hook(note_gathered)
+
+    def step_fn(ctx: rp.ReplicaContext, batch: Any) -> Any:
+        x, y = batch
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        if clip:
+            seen.setdefault("norms", []).append(float(repl.clip_grad_norm_(model.parameters(), 0.05)))
+        optimizer.step()
+        params = list(model.parameters())
+        states = [v for p in params for k, v in optimizer.state[p].items() if k != "step"]
+        seen["model_state_bytes"] = local_bytes(params) + local_bytes([p.grad for p in params]) + local_bytes(states)
+        return None
+
+    def input_fn(ctx: rp.InputContext):
+        for step in range(STEPS):
+            yield my_batch(step, ctx.input_pipeline_id, ctx.num_input_pipelines)
+
+    for _ in repl.run(step_fn, repl.prepare_input(input_fn), record=False):
+        pass
+    params = list(model.parameters())
+    result = {"sharded": all(isinstance(p, DTensor) for p in params), "params": [whole(p) for p in params],
+              "fsdp2": plain_fsdp2(kind, clip), "elements": sum(whole(p).numel() for p in params),
+              "rows": [whole(p).shape[0] if whole(p).dim() else 1 for p in params],
+              "row_elements": [whole(p)[0].numel() if whole(p).dim() else 1 for p in params], **seen}
+    repl.close()
+    return result
+
+
+CASES = [("sgd", False), ("adamw", False), ("adamw", True)]
+
+
+def train_cases() -> dict[tuple[str, bool], dict[str, Any]]:
+    return {case: train(*case) for case in CASES}
+
+
+def test_shard_parameters_matches_fsdp2_bit_for_bit_and_one_process_within_rounding() -> None:
+    results = run_replicas(train_cases, REPLICAS, timeout_s=300)
+    for (kind, clip) in CASES:
+        expected = reference(kind, clip)
+        for replica, by_case in enumerate(results):
+            got = by_case[(kind, clip)]
+            where = f"{kind}{' + clip' if clip else ''}, replica {replica} of {REPLICAS}"
+            assert got["sharded"], where
+            assert all(torch.equal(a, b) for a, b in zip(got["params"], got["fsdp2"], strict=True)), where
+            for a, b in zip(got["params"], expected, strict=True):
+                assert torch.allclose(a, b, atol=ONE_PROCESS_ATOL, rtol=0), f"{where}: {(a - b).abs().max()}"
+            # Model state counted from the local tensors: parameter, gradient and optimizer state per element
+            # (fp32: 4 + 4 + 8 for AdamW, 4 + 4 + 4 for SGD with momentum), 1/N of each up to FSDP2's padding
+            # (dimension 0 cut in ceil(rows / N) rows: at most one row of each tensor more than 1/N).
+            per_element = 16 if kind == "adamw" else 12
+            psi = got["elements"]
+            padding = sum(got["row_elements"])
+            assert per_element * psi / REPLICAS - per_element * padding <= got["model_state_bytes"], where
+            assert got["model_state_bytes"] <= per_element * (psi / REPLICAS + padding), where
+        # The replicas' local tensors together are the whole state, once.
+        assert sum(r[(kind, clip)]["model_state_bytes"] for r in results) == per_element * psi
+        # Gathered during forward: the largest unit (hidden, 32*16 + 32 + 16*32 + 16 elements) and the root's
+        # own parameter (scale), never the whole model.
+        largest_unit = (32 * 16 + 32 + 16 * 32 + 16) * 4
+        assert all(r[(kind, clip)]["gathered"] <= largest_unit + 4 for r in results)
+        assert all(r[(kind, clip)]["gathered"] < psi * 4 for r in results)
+
+
+def refusals() -> list[str]:
+    """Inside a replica: what an optimizer over the model's parameters from before the sharding, accumulation and
+    no_sync() raise, before any update."""
+    found = []
+    repl = rp.Replicator(shard="parameters")
+    with repl.scope():
+        torch.manual_seed(0)
+        model = Net()
+        before = list(model.parameters())  # the plain parameters, replaced by shards when the block ends
+    try:
+        with repl.scope():
+            repl.wrap_optimizer(torch.optim.SGD(before, lr=0.1))
+    except ReplicatorUsageError as error:
+        found.append(str(error))
+    for attempt in (lambda: repl.accumulate(2), lambda: repl.no_sync().__enter__()):
+        try:
+            attempt()
+        except ReplicatorUsageError as error:
+            found.append(str(error))
+    repl.close()
+    return found
+
+
+def test_shard_parameters_refuses_what_it_cannot_do_on_every_replica() -> None:
+    for found in run_replicas(refusals, REPLICAS, timeout_s=120):
+        assert len(found) == 3, found
+        assert "not a parameter of a module built in this repl.scope() block" in found[0], found[0]
+        assert "built before the model was sharded" in found[0]
+        assert found[1].startswith("accumulate(2) with shard='parameters' is not available yet"), found[1]
+        assert found[2].startswith("no_sync() with shard='parameters' is not available yet"), found[2]
+
+
+def save_sharded(path: str) -> dict[str, Any]:
+    """Inside a replica: two AdamW steps with shard="parameters", then repl.save(); the whole values saved."""
+    repl = rp.Replicator(shard="parameters")
+    with repl.scope():
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = repl.wrap_optimizer(make_optimizer("adamw", model.parameters()))
+
+    def step_fn(ctx: rp.ReplicaContext, batch: Any) -> None:
+        x, y = batch
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+    batches = [my_batch(step, repl.replica_id, repl.num_replicas) for step in range(2)]
+    for _ in repl.run(step_fn, batches, record=False):
+        pass
+    repl.save(path)
+    params = list(model.parameters())
+    saved = {"params": [whole(p) for p in params],
+             "exp_avg": [whole(optimizer.state[p]["exp_avg"]) for p in params], "step": repl.global_step}
+    repl.close()
+    return saved
+
+
+def restore_plain(path: str) -> dict[str, Any]:
+    """Inside a replica: restore the sharded checkpoint with shard=None."""
+    repl = rp.Replicator()
+    with repl.scope():
+        torch.manual_seed(1)  # other initial values: the checkpoint must replace them
+        model = Net()
+        optimizer = repl.wrap_optimizer(make_optimizer("adamw", model.parameters()))
+    repl.restore(path)
+    params = list(model.parameters())
+    restored = {"params": [whole(p) for p in params],
+                "exp_avg": [whole(optimizer.state[p]["exp_avg"]) for p in params], "step": repl.global_step}
+    repl.close()
+    return restored
+
+
+def test_a_sharded_checkpoint_restores_unsharded_on_one_process_and_on_two() -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "sharded")
+        saved = run_replicas(save_sharded, REPLICAS, path, timeout_s=120)[0]
+        for replicas in (1, REPLICAS):
+            for restored in run_replicas(restore_plain, replicas, path, timeout_s=120):
+                assert restored["step"] == saved["step"] == 2
+                for key in ("params", "exp_avg"):
+                    assert all(torch.equal(a, b) for a, b in zip(restored[key], saved[key], strict=True)), key
