@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 import replicator as rp
@@ -55,6 +55,17 @@ class Net(torch.nn.Module):
 UNITS = ("embed", "hidden", "head")  # the default policy's units: the direct children holding parameters
 
 
+def every_linear(name: str, module: torch.nn.Module) -> bool:
+    """A shard_policy of the user's: every Linear its own unit (hidden's two layers apart)."""
+    return isinstance(module, torch.nn.Linear)
+
+
+def units_of(model: Net, case: str) -> list[torch.nn.Module]:
+    if case == "policy":
+        return [m for m in reversed(list(model.modules())) if isinstance(m, torch.nn.Linear)]
+    return [getattr(model, name) for name in UNITS]
+
+
 def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=LR, momentum=0.9, weight_decay=0.01)
@@ -81,44 +92,55 @@ def local_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in locals_)
 
 
-def reference(kind: str, clip: bool) -> list[torch.Tensor]:
+def batch_of(step: int, replica: int, replicas: int, case: str) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = my_batch(step, replica, replicas)
+    if case == "skip" and step == 1 and replica == replicas - 1:
+        x = x.clone()
+        x[-1, 0] = float("nan")  # the last replica's batch only: every replica must skip this update
+    return x, y
+
+
+def reference(kind: str, case: str) -> list[torch.Tensor]:
     """One process, the whole batch each step."""
     torch.manual_seed(0)
     model = Net()
     optimizer = make_optimizer(kind, model.parameters())
     for step in range(STEPS):
+        if case == "skip" and step == 1:
+            continue
         x, y = global_batch(step)
         optimizer.zero_grad()
         F.mse_loss(model(x), y).backward()
-        if clip:
+        if case == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         optimizer.step()
     return [whole(p) for p in model.parameters()]
 
 
-def plain_fsdp2(kind: str, clip: bool) -> list[torch.Tensor]:
+def plain_fsdp2(kind: str, case: str) -> list[torch.Tensor]:
     """torch's FSDP2 by hand, with the same units, in the processes replicator already joined."""
     torch.manual_seed(0)
     model = Net()
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
-    for name in UNITS:
-        fully_shard(getattr(model, name), mesh=mesh)
+    for unit in units_of(model, case):
+        fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = make_optimizer(kind, model.parameters())
     for step in range(STEPS):
-        x, y = my_batch(step, dist.get_rank(), dist.get_world_size())
+        x, y = batch_of(step, dist.get_rank(), dist.get_world_size(), case)
         optimizer.zero_grad()
         F.mse_loss(model(x), y).backward()
-        if clip:
+        if case == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        optimizer.step()
+        if all(bool(torch.isfinite(p.grad.full_tensor()).all()) for p in model.parameters()):
+            optimizer.step()
     return [whole(p) for p in model.parameters()]
 
 
-def train(kind: str, clip: bool) -> dict[str, Any]:
+def train(kind: str, case: str) -> dict[str, Any]:
     """Inside a replica: shard="parameters", then plain FSDP2, in the same processes."""
-    repl = rp.Replicator(shard="parameters")
-    with repl.scope():
+    repl = rp.Replicator(shard="parameters", nonfinite="skip" if case == "skip" else "raise")
+    with repl.scope(shard_policy=every_linear if case == "policy" else None):
         torch.manual_seed(0)
         model = Net()
         optimizer = repl.wrap_optimizer(make_optimizer(kind, model.parameters()))
@@ -137,30 +159,33 @@ def train(kind: str, clip: bool) -> dict[str, Any]:
         x, y = batch
         optimizer.zero_grad()
         F.mse_loss(model(x), y).backward()
-        if clip:
+        if case == "clip":
             seen.setdefault("norms", []).append(float(repl.clip_grad_norm_(model.parameters(), 0.05)))
         optimizer.step()
         params = list(model.parameters())
         states = [v for p in params for k, v in optimizer.state[p].items() if k != "step"]
+        if any(p.grad is None for p in params):  # a skipped update drops the gradients
+            return None
         seen["model_state_bytes"] = local_bytes(params) + local_bytes([p.grad for p in params]) + local_bytes(states)
         return None
 
     def input_fn(ctx: rp.InputContext):
         for step in range(STEPS):
-            yield my_batch(step, ctx.input_pipeline_id, ctx.num_input_pipelines)
+            yield batch_of(step, ctx.input_pipeline_id, ctx.num_input_pipelines, case)
 
     for _ in repl.run(step_fn, repl.prepare_input(input_fn), record=False):
         pass
     params = list(model.parameters())
     result = {"sharded": all(isinstance(p, DTensor) for p in params), "params": [whole(p) for p in params],
-              "fsdp2": plain_fsdp2(kind, clip), "elements": sum(whole(p).numel() for p in params),
+              "units": sum(isinstance(m, FSDPModule) for m in model.modules()), "skipped": list(repl.skipped_steps),
+              "fsdp2": plain_fsdp2(kind, case), "elements": sum(whole(p).numel() for p in params),
               "rows": [whole(p).shape[0] if whole(p).dim() else 1 for p in params],
               "row_elements": [whole(p)[0].numel() if whole(p).dim() else 1 for p in params], **seen}
     repl.close()
     return result
 
 
-CASES = [("sgd", False), ("adamw", False), ("adamw", True)]
+CASES = [("sgd", "plain"), ("adamw", "plain"), ("adamw", "clip"), ("adamw", "policy"), ("sgd", "skip")]
 
 
 def train_cases() -> dict[tuple[str, bool], dict[str, Any]]:
@@ -169,12 +194,14 @@ def train_cases() -> dict[tuple[str, bool], dict[str, Any]]:
 
 def test_shard_parameters_matches_fsdp2_bit_for_bit_and_one_process_within_rounding() -> None:
     results = run_replicas(train_cases, REPLICAS, timeout_s=300)
-    for (kind, clip) in CASES:
-        expected = reference(kind, clip)
+    for kind, case in CASES:
+        expected = reference(kind, case)
         for replica, by_case in enumerate(results):
-            got = by_case[(kind, clip)]
-            where = f"{kind}{' + clip' if clip else ''}, replica {replica} of {REPLICAS}"
+            got = by_case[(kind, case)]
+            where = f"{kind}, {case}, replica {replica} of {REPLICAS}"
             assert got["sharded"], where
+            assert got["units"] == (5 if case == "policy" else 4), where  # the units and the root
+            assert got["skipped"] == ([1] if case == "skip" else []), where
             assert all(torch.equal(a, b) for a, b in zip(got["params"], got["fsdp2"], strict=True)), where
             for a, b in zip(got["params"], expected, strict=True):
                 assert torch.allclose(a, b, atol=ONE_PROCESS_ATOL, rtol=0), f"{where}: {(a - b).abs().max()}"
@@ -187,12 +214,12 @@ def test_shard_parameters_matches_fsdp2_bit_for_bit_and_one_process_within_round
             assert per_element * psi / REPLICAS - per_element * padding <= got["model_state_bytes"], where
             assert got["model_state_bytes"] <= per_element * (psi / REPLICAS + padding), where
         # The replicas' local tensors together are the whole state, once.
-        assert sum(r[(kind, clip)]["model_state_bytes"] for r in results) == per_element * psi
+        assert sum(r[(kind, case)]["model_state_bytes"] for r in results) == per_element * psi
         # Gathered during forward: the largest unit (hidden, 32*16 + 32 + 16*32 + 16 elements) and the root's
         # own parameter (scale), never the whole model.
-        largest_unit = (32 * 16 + 32 + 16 * 32 + 16) * 4
-        assert all(r[(kind, clip)]["gathered"] <= largest_unit + 4 for r in results)
-        assert all(r[(kind, clip)]["gathered"] < psi * 4 for r in results)
+        largest_unit = (32 * 16 + 32 + 16 * 32 + 16 if case != "policy" else 32 * 16 + 32 + 16 * 6 + 6) * 4
+        assert all(r[(kind, case)]["gathered"] <= largest_unit + 4 for r in results)
+        assert all(r[(kind, case)]["gathered"] < psi * 4 for r in results)
 
 
 def refusals() -> list[str]:
@@ -227,9 +254,9 @@ def test_shard_parameters_refuses_what_it_cannot_do_on_every_replica() -> None:
         assert found[2].startswith("no_sync() with shard='parameters' is not available yet"), found[2]
 
 
-def save_sharded(path: str) -> dict[str, Any]:
-    """Inside a replica: two AdamW steps with shard="parameters", then repl.save(); the whole values saved."""
-    repl = rp.Replicator(shard="parameters")
+def save(path: str, shard: str | None) -> dict[str, Any]:
+    """Inside a replica: two AdamW steps with `shard`, then repl.save(); the whole values saved."""
+    repl = rp.Replicator(shard=shard)
     with repl.scope():
         torch.manual_seed(0)
         model = Net()
@@ -252,9 +279,9 @@ def save_sharded(path: str) -> dict[str, Any]:
     return saved
 
 
-def restore_plain(path: str) -> dict[str, Any]:
-    """Inside a replica: restore the sharded checkpoint with shard=None."""
-    repl = rp.Replicator()
+def restore(path: str, shard: str | None) -> dict[str, Any]:
+    """Inside a replica: restore the sharded checkpoint with `shard`."""
+    repl = rp.Replicator(shard=shard)
     with repl.scope():
         torch.manual_seed(1)  # other initial values: the checkpoint must replace them
         model = Net()
@@ -267,12 +294,18 @@ def restore_plain(path: str) -> dict[str, Any]:
     return restored
 
 
-def test_a_sharded_checkpoint_restores_unsharded_on_one_process_and_on_two() -> None:
+def test_a_sharded_checkpoint_restores_unsharded_on_one_process_and_on_two_and_sharded() -> None:
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "sharded")
-        saved = run_replicas(save_sharded, REPLICAS, path, timeout_s=120)[0]
-        for replicas in (1, REPLICAS):
-            for restored in run_replicas(restore_plain, replicas, path, timeout_s=120):
+        saved = run_replicas(save, REPLICAS, path, "parameters", timeout_s=120)[0]
+        for replicas, shard in ((1, None), (REPLICAS, None), (REPLICAS, "parameters")):
+            for restored in run_replicas(restore, replicas, path, shard, timeout_s=120):
                 assert restored["step"] == saved["step"] == 2
                 for key in ("params", "exp_avg"):
                     assert all(torch.equal(a, b) for a, b in zip(restored[key], saved[key], strict=True)), key
+        # And back: a checkpoint of one process without sharding restores sharded on two.
+        path = os.path.join(directory, "plain")
+        saved = run_replicas(save, 1, path, None, timeout_s=120)[0]
+        for restored in run_replicas(restore, REPLICAS, path, "parameters", timeout_s=120):
+            for key in ("params", "exp_avg"):
+                assert all(torch.equal(a, b) for a, b in zip(restored[key], saved[key], strict=True)), key
