@@ -223,8 +223,8 @@ def test_shard_parameters_matches_fsdp2_bit_for_bit_and_one_process_within_round
 
 
 def refusals() -> list[str]:
-    """Inside a replica: what an optimizer over the model's parameters from before the sharding, accumulation and
-    no_sync() raise, before any update."""
+    """Inside a replica: what an optimizer over the model's parameters from before the sharding, accumulation,
+    no_sync() and broadcast_state() raise, before any update."""
     found = []
     repl = rp.Replicator(shard="parameters")
     with repl.scope():
@@ -236,7 +236,8 @@ def refusals() -> list[str]:
             repl.wrap_optimizer(torch.optim.SGD(before, lr=0.1))
     except ReplicatorUsageError as error:
         found.append(str(error))
-    for attempt in (lambda: repl.accumulate(2), lambda: repl.no_sync().__enter__()):
+    for attempt in (lambda: repl.accumulate(2), lambda: repl.no_sync().__enter__(),
+                    lambda: repl.broadcast_state(model)):
         try:
             attempt()
         except ReplicatorUsageError as error:
@@ -247,11 +248,12 @@ def refusals() -> list[str]:
 
 def test_shard_parameters_refuses_what_it_cannot_do_on_every_replica() -> None:
     for found in run_replicas(refusals, REPLICAS, timeout_s=120):
-        assert len(found) == 3, found
+        assert len(found) == 4, found
         assert "not a parameter of a module built in this repl.scope() block" in found[0], found[0]
         assert "built before the model was sharded" in found[0]
         assert found[1].startswith("accumulate(2) with shard='parameters' is not available yet"), found[1]
         assert found[2].startswith("no_sync() with shard='parameters' is not available yet"), found[2]
+        assert "cannot copy replica 0's values of a model sharded with shard='parameters'" in found[3], found[3]
 
 
 def save(path: str, shard: str | None) -> dict[str, Any]:
