@@ -129,7 +129,8 @@ def plain_fsdp2(kind: str, case: str) -> list[torch.Tensor]:
     for step in range(STEPS):
         x, y = batch_of(step, dist.get_rank(), dist.get_world_size(), case)
         optimizer.zero_grad()
-        F.mse_loss(model(x), y).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "bf16"):  # as precision="bf16" does
+            F.mse_loss(model(x), y).backward()
         if case == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         if all(bool(torch.isfinite(p.grad.full_tensor()).all()) for p in model.parameters()):
@@ -139,7 +140,8 @@ def plain_fsdp2(kind: str, case: str) -> list[torch.Tensor]:
 
 def train(kind: str, case: str) -> dict[str, Any]:
     """Inside a replica: shard="parameters", then plain FSDP2, in the same processes."""
-    repl = rp.Replicator(shard="parameters", nonfinite="skip" if case == "skip" else "raise")
+    repl = rp.Replicator(shard="parameters", nonfinite="skip" if case == "skip" else "raise",
+                         precision="bf16" if case == "bf16" else "fp32")
     with repl.scope(shard_policy=every_linear if case == "policy" else None):
         torch.manual_seed(0)
         model = Net()
@@ -166,6 +168,7 @@ def train(kind: str, case: str) -> dict[str, Any]:
         states = [v for p in params for k, v in optimizer.state[p].items() if k != "step"]
         if any(p.grad is None for p in params):  # a skipped update drops the gradients
             return None
+        seen["grad_dtypes"] = {str(p.grad.dtype) for p in params}  # what was reduce-scattered
         seen["model_state_bytes"] = local_bytes(params) + local_bytes([p.grad for p in params]) + local_bytes(states)
         return None
 
@@ -185,7 +188,8 @@ def train(kind: str, case: str) -> dict[str, Any]:
     return result
 
 
-CASES = [("sgd", "plain"), ("adamw", "plain"), ("adamw", "clip"), ("adamw", "policy"), ("sgd", "skip")]
+CASES = [("sgd", "plain"), ("adamw", "plain"), ("adamw", "clip"), ("adamw", "policy"), ("sgd", "skip"),
+         ("adamw", "bf16")]
 
 
 def train_cases() -> dict[tuple[str, bool], dict[str, Any]]:
@@ -202,8 +206,12 @@ def test_shard_parameters_matches_fsdp2_bit_for_bit_and_one_process_within_round
             assert got["sharded"], where
             assert got["units"] == (5 if case == "policy" else 4), where  # the units and the root
             assert got["skipped"] == ([1] if case == "skip" else []), where
+            # Under bf16 autocast only the computation is bf16: the parameters, and so the gradients FSDP2
+            # reduce-scatters, stay fp32 (FSDP2 reduces in the gradients' dtype without a MixedPrecisionPolicy).
+            assert got["grad_dtypes"] == {"torch.float32"}, where
             assert all(torch.equal(a, b) for a, b in zip(got["params"], got["fsdp2"], strict=True)), where
-            for a, b in zip(got["params"], expected, strict=True):
+            # Under bf16 one process in fp32 computes another function: plain FSDP2 under autocast is the check.
+            for a, b in zip(got["params"], expected if case != "bf16" else got["params"], strict=True):
                 assert torch.allclose(a, b, atol=ONE_PROCESS_ATOL, rtol=0), f"{where}: {(a - b).abs().max()}"
             # Model state counted from the local tensors: parameter, gradient and optimizer state per element
             # (fp32: 4 + 4 + 8 for AdamW, 4 + 4 + 4 for SGD with momentum), 1/N of each up to FSDP2's padding
