@@ -13,7 +13,7 @@ from torch.nn.parameter import is_lazy
 from replicator.comm.agreement import Agreement
 from replicator.errors import ReplicatorUsageError
 from replicator.identity import broadcast_from_first, require_same_layout
-from replicator.sync.fsdp import ShardPolicy, shard_modules
+from replicator.sync.fsdp import ShardPolicy, is_sharded, shard_modules
 from replicator.topology import Mesh, ProcessGroups
 
 __all__ = ["ModelScope"]
@@ -89,6 +89,10 @@ class ModelScope:
         """
         if self._open is not None:
             raise ReplicatorUsageError("repl.scope() is already open; scopes do not nest")
+        if policy is not None and self.shard != "parameters":
+            raise ReplicatorUsageError(
+                f"repl.scope(shard_policy=...) picks the units that shard='parameters' shards, but this Replicator "
+                f"has shard={self.shard!r}; pass rp.Replicator(shard='parameters'), or drop shard_policy")
         block = _Block()
         self._open = block
         handles = [
@@ -145,7 +149,10 @@ class ModelScope:
                 tensors[id(tensor)] = tensor
         for tensor in extra_tensors:
             tensors.setdefault(id(tensor), tensor)
-        self._copy_from_first(list(tensors.values()), "at the end of repl.scope()")
+        # Shards (shard="parameters") of a model an earlier block built were copied before it was sharded, and
+        # every replica holds other ones: nothing to copy.
+        plain = [tensor for tensor in tensors.values() if not is_sharded(tensor)]
+        self._copy_from_first(plain, "at the end of repl.scope()")
 
     def _refuse_meta(self, roots: list[torch.nn.Module]) -> None:
         """Raise, naming the first tensor, if a module built in the block has no values (the meta device)."""

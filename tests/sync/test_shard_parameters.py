@@ -145,7 +145,11 @@ def train(kind: str, case: str) -> dict[str, Any]:
     with repl.scope(shard_policy=every_linear if case == "policy" else None):
         torch.manual_seed(0)
         model = Net()
-        optimizer = repl.wrap_optimizer(make_optimizer(kind, model.parameters()))
+        if case != "two_blocks":
+            optimizer = repl.wrap_optimizer(make_optimizer(kind, model.parameters()))
+    if case == "two_blocks":  # the model sharded when the first block ended; its optimizer wrapped in a second
+        with repl.scope():
+            optimizer = repl.wrap_optimizer(make_optimizer(kind, model.parameters()))
     seen: dict[str, Any] = {"gathered": 0}
 
     def note_gathered(module: torch.nn.Module, args: Any) -> None:
@@ -189,7 +193,7 @@ def train(kind: str, case: str) -> dict[str, Any]:
 
 
 CASES = [("sgd", "plain"), ("adamw", "plain"), ("adamw", "clip"), ("adamw", "policy"), ("sgd", "skip"),
-         ("adamw", "bf16")]
+         ("adamw", "bf16"), ("sgd", "two_blocks")]
 
 
 def train_cases() -> dict[tuple[str, bool], dict[str, Any]]:
@@ -251,17 +255,25 @@ def refusals() -> list[str]:
         except ReplicatorUsageError as error:
             found.append(str(error))
     repl.close()
+    repl = rp.Replicator(shard="gradients")
+    try:
+        with repl.scope(shard_policy=every_linear):
+            pass
+    except ReplicatorUsageError as error:
+        found.append(str(error))
+    repl.close()
     return found
 
 
 def test_shard_parameters_refuses_what_it_cannot_do_on_every_replica() -> None:
     for found in run_replicas(refusals, REPLICAS, timeout_s=120):
-        assert len(found) == 4, found
+        assert len(found) == 5, found
         assert "not a parameter of a module built in this repl.scope() block" in found[0], found[0]
         assert "built before the model was sharded" in found[0]
         assert found[1].startswith("accumulate(2) with shard='parameters' is not available yet"), found[1]
         assert found[2].startswith("no_sync() with shard='parameters' is not available yet"), found[2]
         assert "cannot copy replica 0's values of a model sharded with shard='parameters'" in found[3], found[3]
+        assert "picks the units that shard='parameters' shards, but this Replicator has shard='gradients'" in found[4]
 
 
 def save(path: str, shard: str | None) -> dict[str, Any]:
