@@ -311,7 +311,9 @@ def restore(path: str, shard: str | None) -> dict[str, Any]:
     repl.restore(path)
     params = list(model.parameters())
     restored = {"params": [whole(p) for p in params],
-                "exp_avg": [whole(optimizer.state[p]["exp_avg"]) for p in params], "step": repl.global_step}
+                "exp_avg": [whole(optimizer.state[p]["exp_avg"]) for p in params], "step": repl.global_step,
+                # laid out as its parameter, so that the next step can run: shards of it, or whole
+                "state_sharded": {isinstance(optimizer.state[p]["exp_avg"], DTensor) for p in params}}
     repl.close()
     return restored
 
@@ -323,11 +325,44 @@ def test_a_sharded_checkpoint_restores_unsharded_on_one_process_and_on_two_and_s
         for replicas, shard in ((1, None), (REPLICAS, None), (REPLICAS, "parameters")):
             for restored in run_replicas(restore, replicas, path, shard, timeout_s=120):
                 assert restored["step"] == saved["step"] == 2
+                assert restored["state_sharded"] == {shard == "parameters"}
                 for key in ("params", "exp_avg"):
                     assert all(torch.equal(a, b) for a, b in zip(restored[key], saved[key], strict=True)), key
         # And back: a checkpoint of one process without sharding restores sharded on two.
         path = os.path.join(directory, "plain")
         saved = run_replicas(save, 1, path, None, timeout_s=120)[0]
         for restored in run_replicas(restore, REPLICAS, path, "parameters", timeout_s=120):
+            assert restored["state_sharded"] == {True}
             for key in ("params", "exp_avg"):
                 assert all(torch.equal(a, b) for a, b in zip(restored[key], saved[key], strict=True)), key
+
+
+def train_to(directory: str, steps: int) -> list[torch.Tensor]:
+    """Inside a replica: AdamW with shard="parameters" to `steps`, saving every 2 steps and resuming from the newest."""
+    repl = rp.Replicator(shard="parameters")
+    with repl.scope():
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = repl.wrap_optimizer(make_optimizer("adamw", model.parameters()))
+
+    def step_fn(ctx: rp.ReplicaContext, batch: Any) -> None:
+        x, y = batch
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+    batches = [my_batch(step, repl.replica_id, repl.num_replicas) for step in range(STEPS)]
+    for _ in repl.run(step_fn, batches, steps, checkpoint_every=2, checkpoint_dir=directory, record=False):
+        pass
+    params = [whole(p) for p in model.parameters()]
+    repl.close()
+    return params
+
+
+def test_training_resumed_from_a_sharded_checkpoint_is_bit_equal_to_an_uninterrupted_run() -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        uninterrupted = run_replicas(train_to, REPLICAS, os.path.join(directory, "whole"), STEPS, timeout_s=120)
+        run_replicas(train_to, REPLICAS, os.path.join(directory, "cut"), 2, timeout_s=120)  # saves at step 2
+        resumed = run_replicas(train_to, REPLICAS, os.path.join(directory, "cut"), STEPS, timeout_s=120)
+    for replica in range(REPLICAS):
+        assert all(torch.equal(a, b) for a, b in zip(resumed[replica], uninterrupted[replica], strict=True))
