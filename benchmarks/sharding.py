@@ -1,4 +1,4 @@
-"""Step time of shard="optimizer" / "gradients" against shard=None and torch's ZeroRedundancyOptimizer + DDP.
+"""Step time of shard="optimizer" / "gradients" / "parameters" against shard=None, ZeroRedundancyOptimizer + DDP, FSDP2.
 
 Command (from the repository root; about a minute on 2 loaded cores; figures go to
 benchmarks/results/sharding.json):
@@ -11,7 +11,8 @@ repetition); a paired ratio is the median over repetitions of the two contenders
 within one repetition. Replicator is driven by calling step_fn directly, as
 benchmarks/data_parallel.py's "step_fn" loop does. Also reported: the optimizer-state bytes each
 replica holds, counted from its local tensors, and whether each sharded contender ended bit for
-bit equal to shard=None (it must: the same sums, the same element-wise update).
+bit equal to shard=None (it must: the same sums, the same element-wise update), and
+shard="parameters" to torch's FSDP2 (`fully_shard` on every Linear, then the root: the same units).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _harness import add_json_argument, compare, in_turns, machine, machine_line, ratio_text, slowest_rank, write_json
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 import replicator as rp
 from replicator.launch import heap_kept_environment
@@ -38,6 +42,8 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 BASELINE = "replicator shard=None"
 TORCH_ZERO = "torch DDP + ZeroRedundancyOptimizer"
 TORCH_DDP = "torch DDP"  # unsharded, for scale
+ZERO3 = "replicator shard='parameters'"
+TORCH_FSDP2 = "torch FSDP2 (fully_shard)"
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,16 @@ def make_batches(config: Config, shard: int) -> list[Batch]:
              torch.randint(0, config.classes, (config.batch,), generator=generator)) for _ in range(4)]
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def gathered(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+    return sum(local(v).numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                if isinstance(v, torch.Tensor))
 
 
@@ -94,7 +108,7 @@ def replica(config: Config) -> dict[str, Any]:
     steps: dict[str, Callable[[Batch], None]] = {}
     models: dict[str, torch.nn.Module] = {}
     held: dict[str, Callable[[], int]] = {}
-    for shard in (None, "optimizer", "gradients"):
+    for shard in (None, "optimizer", "gradients", "parameters"):
         name = f"replicator shard={shard!r}" if shard else BASELINE
         repl = rp.Replicator(shard=shard)
         with repl.scope():
@@ -112,6 +126,15 @@ def replica(config: Config) -> dict[str, Any]:
     whole_ddp = torch.nn.parallel.DistributedDataParallel(whole)
     models[TORCH_DDP], steps[TORCH_DDP] = whole, trainer(whole_ddp, whole_optimizer)
     held[TORCH_DDP] = lambda: state_bytes(whole_optimizer)
+    fsdp2 = make_model(config)  # the same units as shard="parameters" (every direct child holding parameters)
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    for layer in fsdp2:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp2, mesh=mesh)
+    fsdp2_optimizer = torch.optim.AdamW(fsdp2.parameters(), lr=config.lr)
+    models[TORCH_FSDP2], steps[TORCH_FSDP2] = fsdp2, trainer(fsdp2, fsdp2_optimizer)
+    held[TORCH_FSDP2] = lambda: state_bytes(fsdp2_optimizer)
     batches = make_batches(config, dist.get_rank())
     cursor = dict.fromkeys(steps, 0)
 
@@ -133,8 +156,9 @@ def replica(config: Config) -> dict[str, Any]:
         times = [later - earlier for earlier, later in zip([started, *stamps], stamps)]
         figures[name]["step_ms"].append(1e3 * slowest_rank(statistics.median(times)))
         figures[name]["cpu_ms"].append(1e3 * cpu / config.steps)
-    flat = {name: torch.cat([p.detach().reshape(-1) for p in model.parameters()]) for name, model in models.items()}
+    flat = {name: torch.cat([gathered(p).reshape(-1) for p in model.parameters()]) for name, model in models.items()}
     same = {name: bool(torch.equal(flat[name], flat[BASELINE])) for name in flat if name.startswith("replicator")}
+    same[f"{ZERO3} to {TORCH_FSDP2}"] = bool(torch.equal(flat[ZERO3], flat[TORCH_FSDP2]))
     return {"figures": figures, "state_bytes": {name: count() for name, count in held.items()},
             "bit_equal_to_unsharded": same, "parameters": sum(p.numel() for p in models[BASELINE].parameters())}
 
@@ -158,7 +182,7 @@ def main() -> None:
     # Lower is better for times: compare() ratios are value / peer, so < 1 means faster than the peer.
     report: dict[str, Any] = {"config": asdict(config), "parameters": first["parameters"], "contenders": {},
                               "heap_kept": not arguments.glibc_default}
-    for peer in (BASELINE, TORCH_ZERO):
+    for peer in (BASELINE, TORCH_ZERO, TORCH_FSDP2):
         comparison = compare(step_ms, peer)
         print(f"\nstep time (ms, slowest replica; median [min, max] over {config.repeats} turns) against {peer}:")
         for name, figures in comparison.items():

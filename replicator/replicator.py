@@ -65,7 +65,7 @@ class Replicator:
             whose overflow skips agree across replicas (rp.Precision tunes it; docs/how-to/mixed-precision.md).
         uneven_batches: "refuse" (default: unequal batch sizes raise), "weighted" (gradients and ctx.all_mean weigh
             by batch size) or batch -> count (tokens); sparse_as_dense: densify sparse gradients (Horovod's).
-        shard: "optimizer" (ZeRO-1) or "gradients" (ZeRO-2): each replica keeps 1/N of the optimizer state (how-to).
+        shard: "optimizer" (ZeRO-1), "gradients" (ZeRO-2) or "parameters" (ZeRO-3, FSDP2): docs/how-to/sharding.md.
         stages: pipeline model parallelism (GPipe): the job's processes form replicas × stages, and
             `repl.pipeline(layers)` returns this process's stage. `virtual_stages=V`: V model chunks per stage.
         chunks: micro-batches per batch; schedule: "gpipe", "1f1b", "interleaved" (virtual_stages >= 2), "zero_bubble".
@@ -93,7 +93,7 @@ class Replicator:
         if stages < 1 or chunks < 1:
             raise ReplicatorUsageError(f"stages and chunks must be at least 1, got stages={stages}, chunks={chunks}")
         check_nonfinite_policy(nonfinite)
-        precision, shard = Precision.of(precision), check_shard(shard, mode, stages)  # refused before the job starts
+        precision, shard = Precision.of(precision), check_shard(shard, mode, stages, precision)  # before the job starts
         settings = AsyncSettings.of(mode, parameter_servers, sync_group_size, max_staleness, stages)
         roles = Roles.of(mode, actors, evaluator, stages)  # actor_learner's learners, actors and evaluator
         self.job = job = Job.start(stages=stages, timeout_s=timeout_s, debug=debug,  # DiLoCo regroups on its own
@@ -112,7 +112,7 @@ class Replicator:
         reducer = "flat" if (settings or roles) and reducer == "auto" else reducer  # a role group, not the node
         self.reducer = make_reducer(reducer, synced, timeout_s=job.timeout_s, device=self.device)
         job.close_with(self.reducer)
-        models = self.models = ModelScope(self.groups, self.device, job.replica_agreement)
+        models = self.models = ModelScope(self.groups, self.device, job.replica_agreement, shard)
         self.optimizers = SyncedOptimizers(adopt=self.models.adopt,
             context=self.context, group=synced.replica, agreement=job.replica_agreement,
             reducer=self.reducer, bucket_cap_bytes=int(bucket_cap_mb * (1 << 20)), nonfinite=nonfinite,
@@ -157,15 +157,15 @@ class Replicator:
 
     # -- the model -----------------------------------------------------------------------
     @contextlib.contextmanager
-    def scope(self) -> Iterator[Replicator]:
+    def scope(self, shard_policy: Callable[[str, torch.nn.Module], bool] | None = None) -> Iterator[Replicator]:
         """Build the model and optimizers inside this block.
 
         Modules created here are placed on this replica's device and, when the block ends, every replica's
         parameters and buffers are overwritten with replica 0's, so all replicas start identical however they
-        were seeded.
+        were seeded. shard="parameters" then shards them: `shard_policy(name, submodule)` picks the units.
         """
         built = len(self._stages)
-        with self.models.block(self.optimizers.parameters):
+        with self.models.block(self.optimizers.parameters, self.optimizers.take_sharded, shard_policy):
             yield self
         if len(self._stages) > built:
             seed_stage(self.job.mesh)

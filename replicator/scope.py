@@ -13,6 +13,7 @@ from torch.nn.parameter import is_lazy
 from replicator.comm.agreement import Agreement
 from replicator.errors import ReplicatorUsageError
 from replicator.identity import broadcast_from_first, require_same_layout
+from replicator.sync.fsdp import ShardPolicy, is_sharded, shard_modules
 from replicator.topology import Mesh, ProcessGroups
 
 __all__ = ["ModelScope"]
@@ -56,8 +57,10 @@ class _Block:
 class ModelScope:
     """The modules built in `repl.scope()` blocks, with their tensors' names for error messages."""
 
-    def __init__(self, groups: ProcessGroups, device: torch.device, agreement: Agreement) -> None:
+    def __init__(self, groups: ProcessGroups, device: torch.device, agreement: Agreement,
+                 shard: str | None = None) -> None:
         self.groups = groups
+        self.shard = shard  # "parameters": the block's modules are sharded with FSDP2 when it ends
         self.agreement = agreement  # among this stage's replicas, who build and copy the same model
         self.mesh: Mesh = groups.mesh
         self.device = device
@@ -74,14 +77,22 @@ class ModelScope:
         return {**(self._open.names() if self._open else {}), **self.tensor_names}
 
     @contextlib.contextmanager
-    def block(self, optimized: Callable[[], Iterable[torch.Tensor]]) -> Iterator[None]:
+    def block(self, optimized: Callable[[], Iterable[torch.Tensor]],
+              sharded: Callable[[dict[int, torch.nn.Parameter]], None] = lambda successors: None,
+              policy: ShardPolicy | None = None) -> Iterator[None]:
         """Watch what is built; at the end move it to the device and copy replica 0's values everywhere.
 
         The tensors that `optimized()` returns when the block ends (the wrapped optimizers'
-        parameters, some perhaps built before it) are checked and copied too.
+        parameters, some perhaps built before it) are checked and copied too. With shard="parameters"
+        the block's modules are then sharded (units chosen by `policy`, replicator.sync.fsdp), and
+        `sharded(successors)` puts the sharded parameters in the wrapped optimizers.
         """
         if self._open is not None:
             raise ReplicatorUsageError("repl.scope() is already open; scopes do not nest")
+        if policy is not None and self.shard != "parameters":
+            raise ReplicatorUsageError(
+                f"repl.scope(shard_policy=...) picks the units that shard='parameters' shards, but this Replicator "
+                f"has shard={self.shard!r}; pass rp.Replicator(shard='parameters'), or drop shard_policy")
         block = _Block()
         self._open = block
         handles = [
@@ -98,6 +109,12 @@ class ModelScope:
                 handle.remove()
             self._open = None
         self._finish(block, optimized())
+        if self.shard == "parameters" and self.groups.replica is not None and self.mesh.num_replicas > 1:
+            successors = shard_modules(block.roots(), self.groups.replica, self.device, policy)
+            for old, new in successors.items():  # the sharded parameters keep the names errors give
+                if old in self.tensor_names:
+                    self.tensor_names[id(new)] = self.tensor_names[old]
+            sharded(successors)
 
     def keep_stage(self, layers: torch.nn.Module | Iterable[torch.nn.Module], stage: torch.nn.Module) -> None:
         """Forget every module of `layers` outside `stage`, and every module holding one, once a pipeline is cut.
@@ -132,7 +149,10 @@ class ModelScope:
                 tensors[id(tensor)] = tensor
         for tensor in extra_tensors:
             tensors.setdefault(id(tensor), tensor)
-        self._copy_from_first(list(tensors.values()), "at the end of repl.scope()")
+        # Shards (shard="parameters") of a model an earlier block built were copied before it was sharded, and
+        # every replica holds other ones: nothing to copy.
+        plain = [tensor for tensor in tensors.values() if not is_sharded(tensor)]
+        self._copy_from_first(plain, "at the end of repl.scope()")
 
     def _refuse_meta(self, roots: list[torch.nn.Module]) -> None:
         """Raise, naming the first tensor, if a module built in the block has no values (the meta device)."""

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from replicator.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from replicator.checkpoint.layout import Layout
@@ -197,13 +198,19 @@ def plan_optimizer(
             )
         hypers.append(hyper)
     order = [name for group in groups for name in group]
+    params = dict(zip(order, (p for group in optimizer.param_groups for p in group["params"])))
     keys: dict[str, list[tuple[str, str]]] = {name: [] for name in order}
     for key, spec in available.items():
         if key.startswith("_optim/"):
             name, _, state_key = key[len("_optim/"):].rpartition("/")
             if name in keys and (owns is None or owns(name[len(prefix):])):
                 keys[name].append((state_key, key))
-                target[key] = torch.empty(tuple(spec.size), dtype=spec.properties.dtype)
+                param, size = params[name], tuple(spec.size)
+                # The state of a parameter sharded with shard="parameters" (a DTensor) is read into this
+                # replica's shards of it, laid out as the parameter; whole tensors everywhere else.
+                target[key] = (torch.empty_like(param, dtype=spec.properties.dtype)
+                               if isinstance(param, DTensor) and tuple(param.shape) == size
+                               else torch.empty(size, dtype=spec.properties.dtype))
 
     def build(loaded: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         state: dict[int, dict[str, Any]] = {}

@@ -20,6 +20,7 @@ from replicator.comm.agreement import Agreement
 from replicator.comm.objects import broadcast_value
 from replicator.errors import ReplicatorUsageError
 from replicator.identity import broadcast_from_first, copy_from_first, require_same_layout
+from replicator.sync.fsdp import is_sharded
 from replicator.sync.sharding import SHARDED
 from replicator.topology import ProcessGroups
 
@@ -44,6 +45,13 @@ def broadcast_state(objects: Iterable[Any], groups: ProcessGroups, agreement: Ag
             "repl.broadcast_state() cannot copy replica 0's state of an optimizer wrapped with shard=: each replica "
             "holds only its slice of it. Call optimizer.load_state_dict(state) on every replica (each takes its "
             "slice of the whole state), or use repl.save()/repl.restore()")
+    params = [p for thing in objects for p in (thing.parameters() if isinstance(thing, torch.nn.Module) else
+              [p for g in thing.param_groups for p in g["params"]] if isinstance(thing, torch.optim.Optimizer) else [])]
+    if any(is_sharded(param) for param in params):
+        raise ReplicatorUsageError(  # the same objects on every replica: raised by all, before any traffic
+            "repl.broadcast_state() cannot copy replica 0's values of a model sharded with shard='parameters': each "
+            "replica holds other shards of it. Use repl.save() and repl.restore(), where every replica reads its "
+            "shards of the whole values")
     for number, thing in enumerate(objects):
         where = f"in repl.broadcast_state(), argument {number}"
         if isinstance(thing, torch.nn.Module):

@@ -22,6 +22,7 @@ from replicator.comm.agreement import Agreement
 from replicator.errors import ReplicatorUsageError
 from replicator.identity import Fingerprints, fingerprint, require_identical
 from replicator.nn.spectral import SPECTRAL_NORM_RULE, power_iteration_buffers
+from replicator.sync.fsdp import is_sharded
 from replicator.sync.optimizer import SyncedOptimizers
 
 __all__ = ["ReplicaGuard", "UnownedGradients"]
@@ -73,6 +74,8 @@ class ReplicaGuard:
         listed: set[int] = set()
 
         def add(name: str, tensor: torch.Tensor) -> None:
+            if is_sharded(tensor):  # shard="parameters": each replica holds other shards of it, by design
+                return
             if id(tensor) not in listed:
                 listed.add(id(tensor))
                 named.append((name, tensor))

@@ -17,6 +17,7 @@ from replicator.comm.agreement import Agreement
 from replicator.context import ReplicaContext
 from replicator.errors import NonFiniteError, ReplicatorUsageError
 from replicator.nn.spectral import spectral_normed
+from replicator.sync.fsdp import NO_ACCUMULATION, clip_shards_, is_sharded, shards_finite, take_sharded
 from replicator.sync.reducers import Reducer
 from replicator.sync.sharding import SHARDED, ShardedOptimizer, check_reducer
 from replicator.sync.sparse import sparse_parameters
@@ -66,7 +67,7 @@ class SyncedOptimizers:
         self.is_main = is_main
         self.adopt = adopt
         self.shard = shard  # "optimizer", "gradients" or None (replicator.sync.sharding)
-        if shard is not None:
+        if shard is not None and shard != "parameters":  # FSDP2 reduce-scatters ZeRO-3's gradients itself
             check_reducer(reducer, shard)
         if agreement.size > 1:  # replicas sharding differently would issue different collectives at every update
             agreement.require_same(f"rp.Replicator(shard={shard!r})", "rp.Replicator()")
@@ -99,7 +100,9 @@ class SyncedOptimizers:
                 )
         label = f"optimizer {len(self.wrapped)} ({type(optimizer).__name__})"
         count = UpdateCount()
-        synchronizer = GradientSynchronizer(params, self.group, self.agreement, self.reducer, self.bucket_cap_bytes,
+        # shard="parameters": FSDP2 averages the gradients (replicator.sync.fsdp); the synchronizer reduces none.
+        synced = [] if self.shards_parameters else params
+        synchronizer = GradientSynchronizer(synced, self.group, self.agreement, self.reducer, self.bucket_cap_bytes,
                                             names, label, self.state, count, self.context.on_wait, self.debug,
                                             self.shard)
         wrapped = WrappedOptimizer(optimizer, synchronizer, count, len(params))
@@ -112,6 +115,21 @@ class SyncedOptimizers:
         self.wrapped.append(wrapped)
         self._patch(wrapped)
         return optimizer
+
+    @property
+    def shards_parameters(self) -> bool:
+        """shard="parameters" with several replicas: FSDP2 holds the parameters as shards and averages gradients."""
+        return self.shard == "parameters" and self.context.num_replicas > 1
+
+    def take_sharded(self, successors: dict[int, torch.nn.Parameter]) -> None:
+        """shard="parameters", at the end of repl.scope(): the wrapped optimizers step the sharded parameters."""
+        for wrapped in self.wrapped:
+            if all(is_sharded(p) for group in wrapped.optimizer.param_groups for p in group["params"]):
+                continue  # wrapped in an earlier block
+            take_sharded(wrapped.optimizer, successors, wrapped.synchronizer.name_of)
+            for group in wrapped.optimizer.param_groups:
+                for param in group["params"]:
+                    self.owner[id(param)] = wrapped
 
     def wrap_scheduler(self, scheduler: Any) -> Any:
         """Make an LR scheduler step only when its optimizer really stepped (accumulation)."""
@@ -192,7 +210,7 @@ class SyncedOptimizers:
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
         optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
         optimizer.add_param_group = types.MethodType(add_param_group, optimizer)  # type: ignore[method-assign]
-        if self.shard is not None and synchronizer.size > 1:  # checkpoints hold the whole state, whatever the layout
+        if self.shard in ("optimizer", "gradients") and synchronizer.size > 1:  # checkpoints: the whole state
             SHARDED.add(optimizer)
             original_state_dict, original_load = optimizer.state_dict, optimizer.load_state_dict
             optimizer.state_dict = lambda: self._sharded(wrapped).state_dict(  # type: ignore[method-assign,union-attr]
@@ -204,7 +222,7 @@ class SyncedOptimizers:
         """The optimizer's shard (shard= and several replicas), built when first needed: after repl.scope() ended,
         which may have moved the parameters to the device, and knowing the modules, whose sparse gradients no
         slice can be summed from (refused before the first update)."""
-        if wrapped.sharded is not None or self.shard is None or wrapped.synchronizer.size == 1:
+        if wrapped.sharded is not None or self.shard in (None, "parameters") or wrapped.synchronizer.size == 1:
             return wrapped.sharded
         synchronizer = wrapped.synchronizer
         sparse = set() if self.state.sparse_as_dense else sparse_parameters(self.state.modules)
@@ -269,6 +287,8 @@ class SyncedOptimizers:
     def _goes_ahead(self, wrapped: WrappedOptimizer) -> bool:
         """Are the averaged gradients finite (fp16: on every stage, and noted for the loss scale)? Else skip."""
         finite = wrapped.synchronizer.gradients_finite()
+        if self.shards_parameters:  # each replica judges its shards of the averages; the verdict is everyone's
+            finite = shards_finite([p for g in wrapped.optimizer.param_groups for p in g["params"]], self.group)
         if self.stages is not None:
             # One process would skip the whole model's update: so do all stages, whichever held the NaN.
             device = wrapped.synchronizer.params[0].device if wrapped.synchronizer.params else "cpu"
@@ -327,6 +347,8 @@ class SyncedOptimizers:
         """Make each update take `micro_steps` step_fn calls (see Replicator.accumulate)."""
         if self.mid_accumulation():
             raise ReplicatorUsageError("accumulate() can only change between updates, not in the middle of one")
+        if micro_steps > 1 and self.shards_parameters:
+            raise ReplicatorUsageError(NO_ACCUMULATION.format(f"accumulate({micro_steps})"))
         self.state.set_accumulation(micro_steps, epoch_end)
         for wrapped in self.wrapped:
             wrapped.count.calls = 0
@@ -349,6 +371,8 @@ class SyncedOptimizers:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside this block accumulate gradients locally, with no traffic."""
+        if self.shards_parameters:
+            raise ReplicatorUsageError(NO_ACCUMULATION.format("no_sync()"))
         if not self._no_sync_checked:  # once: a walk over the modules for every micro-batch would cost
             self._no_sync_checked = True
             self._warn_if_spectral_normed("no_sync() accumulation", "once per micro-batch")
@@ -384,6 +408,8 @@ class SyncedOptimizers:
                                            "time: call repl.clip_grad_norm_ once per optimizer")
             norm = slices[0].clip_(params, max_norm, norm_type)  # type: ignore[union-attr]
             return self._check_norm(norm)
+        if self.shards_parameters:  # the norm of the averages from every replica's shards of them (one all-reduce)
+            return self._check_norm(clip_shards_(params, max_norm, norm_type))
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type).to(params[0].device if params else "cpu")
         if shards is not None:

@@ -1,5 +1,7 @@
 """Sharded data parallelism (ZeRO-1, ZeRO-2): each replica steps the optimizer on its own slice of every bucket.
 
+(shard="parameters", ZeRO-3, is FSDP2's: replicator.sync.fsdp.)
+
 Replica r of N owns slice r of every gradient bucket: elements `T*r//N` to `T*(r+1)//N` of the
 bucket's buffer (T counts its gradients and its presence slots), cut down to the gradients. A
 slice may cross parameters, and a parameter smaller than N lies in one replica's slice. Each
@@ -53,21 +55,17 @@ __all__ = ["SHARD_LEVELS", "SHARDED", "check_shard", "check_reducer", "ShardedOp
 SHARD_LEVELS = {
     "optimizer": "ZeRO-1: each replica keeps 1/N of the optimizer state",
     "gradients": "ZeRO-2: 1/N of the optimizer state and of the averaged gradients",
+    "parameters": "ZeRO-3, on FSDP2: 1/N of the parameters too, gathered unit by unit in forward and backward",
 }
 # The wrapped optimizers whose state is sharded: no replica holds the whole of it (repl.broadcast_state refuses them).
 SHARDED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _CHOICES = "None (every replica keeps everything), " + ", ".join(f"{k!r} ({v})" for k, v in SHARD_LEVELS.items())
 
 
-def check_shard(shard: str | None, mode: str, stages: int) -> str | None:
+def check_shard(shard: str | None, mode: str, stages: int, precision: object = "fp32") -> str | None:
     """The shard level, checked before the job starts: the same arguments raise the same error on every replica."""
     if shard is None:
         return None
-    if shard == "parameters":
-        raise ReplicatorUsageError(
-            "shard='parameters' (ZeRO-3: parameters sharded too, on FSDP2) is not available yet; the levels that are: "
-            f"{_CHOICES}. For a model whose parameters alone do not fit one replica, split it into pipeline stages "
-            "(rp.Replicator(stages=K), docs/how-to/pipelines.md)")
     if shard not in SHARD_LEVELS:
         raise ReplicatorUsageError(f"unknown shard={shard!r}; choose {_CHOICES}")
     if mode in ("async", "actor_learner", "diloco"):
@@ -78,6 +76,11 @@ def check_shard(shard: str | None, mode: str, stages: int) -> str | None:
         raise ReplicatorUsageError(
             f"shard={shard!r} with stages={stages} is not available yet (the gradient slices of a pipeline's stages "
             "are not built); use one of the two, or shard the stages' memory by giving them fewer layers")
+    if shard == "parameters" and getattr(precision, "name", precision) == "fp16":
+        raise ReplicatorUsageError(
+            "shard='parameters' with precision='fp16' is not available yet: fp16's loss scale judges whole "
+            "gradients, and no sharded loss scale exists. Use precision='bf16' (no loss scale), or "
+            "shard='gradients' with fp16")
     return shard
 
 
