@@ -10,9 +10,10 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from replicator.cli._plan_memory import memory_record, print_memory
 from replicator.plan import presets, published
 from replicator.plan.conversion import cast_bandwidth_from_memory
-from replicator.plan.memory import OPTIMIZER_STATES, SHARD_LEVELS, ShardMemory, shard_memory, smallest_fitting
+from replicator.plan.memory import OPTIMIZER_STATES
 from replicator.plan.planner import (
     BY_ALGORITHM,
     MB,
@@ -298,91 +299,6 @@ def _print_plan(result: Plan, reducers: list[str], title: str, baseline_gpus: in
     )
 
 
-def _largest_unit(workload: Workload) -> float | None:
-    """Parameters of the largest layer of the model's profile (what shard="parameters" gathers whole at once),
-    None when only the total is known."""
-    profile = workload.profile
-    return None if profile is None or len(profile.layers) < 2 else float(max(layer.params for layer in profile.layers))
-
-
-def _shard_levels(workload: Workload, options: argparse.Namespace, replicas: int) -> list[ShardMemory]:
-    """Every shard level's memory and traffic at `replicas`, least sharded first."""
-    return [shard_memory(level, workload.params, replicas, options.optimizer, _GRADIENT_BYTES[options.gradient_dtype],
-                         _largest_unit(workload)) for level in SHARD_LEVELS]
-
-
-def _shard_argument(memory: ShardMemory | None) -> str:
-    if memory is None:
-        return "nothing fits"
-    return "shard=None" if memory.level == "none" else f"shard={memory.level!r}"
-
-
-def _gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.3g} GB"
-
-
-def _print_memory(workload: Workload, options: argparse.Namespace, counts: list[int]) -> None:
-    """The model state per replica for each shard level and the bytes each replica sends per step, by GPU count;
-    with --memory-per-gpu, the least sharded level that fits."""
-    from rich.table import Table
-
-    budget = None if options.memory_per_gpu is None else options.memory_per_gpu * 1e9
-    unit = _largest_unit(workload)
-    unit_text = ("the largest layer, " + _gb(unit * _GRADIENT_BYTES[options.gradient_dtype]) if unit is not None
-                 else "the whole model: no per-layer profile, give --model-from")
-    table = Table(title=f"Model state per replica ({options.optimizer}, {options.gradient_dtype}; activations "
-                        f"come on top; 'parameters' adds the unit gathered whole: {unit_text})")
-    table.add_column("GPUs", justify="right")
-    for level in SHARD_LEVELS:
-        table.add_column("shard=None" if level == "none" else f"{level!r}", justify="right")
-    table.add_column("sent/step\nall-reduce", justify="right")
-    table.add_column("sent/step\n'parameters'", justify="right")
-    if budget is not None:
-        table.add_column(f"fits {options.memory_per_gpu:g} GB", justify="left")
-    for gpus in counts:
-        levels = _shard_levels(workload, options, gpus)
-        row = [str(gpus), *(_gb(memory.total) for memory in levels), _gb(levels[0].sent_bytes),
-               _gb(levels[-1].sent_bytes)]
-        if budget is not None:
-            row.append(_shard_argument(smallest_fitting(levels, budget)))
-        table.add_row(*row)
-    console = _console()
-    console.print(table)
-    if budget is None:
-        return
-    top = _shard_levels(workload, options, counts[-1])
-    fitting = smallest_fitting(top, budget)
-    if fitting is not None and fitting.level == "none":
-        console.print(f"Memory: model state fits --memory-per-gpu {options.memory_per_gpu:g} GB without sharding "
-                      f"({_gb(top[0].total)} per replica).")
-    elif fitting is not None:
-        console.print(f"Memory: model state without sharding is {_gb(top[0].total)} per replica, over "
-                      f"--memory-per-gpu {options.memory_per_gpu:g} GB; at {counts[-1]} GPUs the least sharded "
-                      f"level that fits is rp.Replicator({_shard_argument(fitting)}) ({_gb(fitting.total)}).")
-    else:
-        console.print(f"Memory: no shard level fits --memory-per-gpu {options.memory_per_gpu:g} GB at {counts[-1]} "
-                      f"GPUs (shard='parameters' needs {_gb(top[-1].total)} per replica): plan for more GPUs "
-                      "(--max-gpus) or split the model into pipeline stages.")
-
-
-def _memory_record(workload: Workload, options: argparse.Namespace, gpus: int, stages: int) -> dict[str, object]:
-    """The `memory` field of a --json record: per shard level at the record's replica count (gpus / stages)."""
-    replicas = max(1, gpus // stages)
-    levels = _shard_levels(workload, options, replicas)
-    budget = None if options.memory_per_gpu is None else options.memory_per_gpu * 1e9
-    # A replica of several pipeline stages spreads its model state over them, about evenly.
-    per_gpu = [ShardMemory(m.level, m.replicas, m.parameter_bytes / stages, m.gradient_bytes / stages,
-                           m.optimizer_bytes / stages, m.gathered_bytes, m.sent_bytes) for m in levels]
-    fitting = None if budget is None else smallest_fitting(per_gpu, budget)
-    unit = _largest_unit(workload)
-    return {"replicas": replicas, "optimizer": options.optimizer, "dtype": options.gradient_dtype,
-            "largest_unit_bytes": None if unit is None else unit * _GRADIENT_BYTES[options.gradient_dtype],
-            "bytes_per_replica": {m.level: m.total for m in levels},
-            "bytes_per_gpu": {m.level: m.total for m in per_gpu},
-            "sent_bytes_per_step": {m.level: m.sent_bytes for m in levels},
-            "budget_bytes": budget, "smallest_fitting": None if fitting is None else fitting.level}
-
-
 def _print_reproduction() -> None:
     from rich.table import Table
 
@@ -469,8 +385,9 @@ def main(options: argparse.Namespace) -> int:
         if options.json:
             records = _records(result, options.baseline_gpus)
             for record in records:
-                record["memory"] = _memory_record(workload, options, int(record["gpus"]),  # type: ignore[call-overload]
-                                                  int(record["stages"]))  # type: ignore[call-overload]
+                record["memory"] = memory_record(workload, options, _GRADIENT_BYTES[options.gradient_dtype],
+                                                 int(record["gpus"]),  # type: ignore[call-overload]
+                                                 int(record["stages"]))  # type: ignore[call-overload]
             print(json.dumps(records, indent=1))
             return 0
         compute = (f"{workload.batch_per_gpu / workload.step_s:,.1f} samples/s measured" if workload.step_s
@@ -478,7 +395,7 @@ def main(options: argparse.Namespace) -> int:
         title = (f"{name}: {workload.params / 1e6:,.1f} M params, {compute}, batch {workload.batch_per_gpu}/GPU, "
                  f"{options.gpus_per_node} GPUs/node, interference {1 - accelerator.overlap:.4g}")
         _print_plan(result, list(dict.fromkeys(r.reducer for r in reducers)), title, options.baseline_gpus)
-        _print_memory(workload, options, result.gpu_counts)
+        print_memory(workload, options, _GRADIENT_BYTES[options.gradient_dtype], result.gpu_counts, _console())
         return 0
     except ValueError as error:
         print(f"replicator plan: {error}", file=sys.stderr)
