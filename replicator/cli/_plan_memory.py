@@ -24,8 +24,11 @@ def _largest_unit(workload: Workload) -> float | None:
 def _shard_levels(workload: Workload, options: argparse.Namespace, element_bytes: int,
                   replicas: int) -> list[ShardMemory]:
     """Every shard level's memory and traffic at `replicas`, least sharded first."""
+    # Layers unknown (--params): the unit is left out, as the title says, rather than taken as the whole model,
+    # which would make 'parameters' look worse than 'gradients'.
+    unit = _largest_unit(workload)
     return [shard_memory(level, workload.params, replicas, options.optimizer, element_bytes,
-                         _largest_unit(workload)) for level in SHARD_LEVELS]
+                         0.0 if unit is None else unit) for level in SHARD_LEVELS]
 
 
 def _shard_argument(memory: ShardMemory | None) -> str:
@@ -46,10 +49,11 @@ def print_memory(workload: Workload, options: argparse.Namespace, element_bytes:
 
     budget = None if options.memory_per_gpu is None else options.memory_per_gpu * 1e9
     unit = _largest_unit(workload)
-    unit_text = ("the largest layer, " + _gb(unit * element_bytes) if unit is not None
-                 else "the whole model: no per-layer profile, give --model-from")
+    unit_text = (f"'parameters' adds the unit gathered whole, the largest layer: {_gb(unit * element_bytes)}"
+                 if unit is not None else "'parameters' leaves out the unit gathered whole: the layers are not "
+                 "known, give --model or --model-from")
     table = Table(title=f"Model state per replica ({options.optimizer}, {options.gradient_dtype}; activations "
-                        f"come on top; 'parameters' adds the unit gathered whole: {unit_text})")
+                        f"come on top; {unit_text})")
     table.add_column("GPUs", justify="right")
     for level in SHARD_LEVELS:
         table.add_column("shard=None" if level == "none" else f"{level!r}", justify="right")

@@ -126,3 +126,26 @@ def test_plan_json_carries_each_levels_bytes_traffic_and_the_fitting_level(
     assert next(r for r in records if r["gpus"] == 1)["memory"]["smallest_fitting"] is None  # 6Ψ = 15.7 MB
     # The table's figures, in --json, for every record: a pipeline's too.
     assert all(set(r["memory"]["bytes_per_replica"]) == set(SHARD_LEVELS) for r in records)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (("--memory-per-gpu", "0"), "--memory-per-gpu"),
+    (("--memory-per-gpu", "lots"), "--memory-per-gpu"),
+    (("--optimizer", "adagrad"), "--optimizer"),
+])
+def test_bad_memory_flags_are_a_clear_error_naming_the_flag(argv: tuple[str, ...], flag: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["plan", *argv])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert flag in error and "Traceback" not in error, error
+
+
+def test_without_layers_the_table_leaves_the_gathered_unit_out_and_says_so(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    printed = _run_plan(capsys, monkeypatch, "--params", "1M", "--step-ms", "10", "--max-gpus", "4", "--json")
+    at_four = next(r for r in json.loads(printed) if r["gpus"] == 4)["memory"]
+    assert at_four["largest_unit_bytes"] is None and at_four["bytes_per_replica"]["parameters"] == 4_000_000  # 16Ψ/4
+    table = " ".join(_run_plan(capsys, monkeypatch, "--params", "1M", "--step-ms", "10", "--max-gpus", "4").split())
+    assert "'parameters' leaves out the unit gathered whole: the layers are not known" in table
