@@ -13,7 +13,7 @@ import torch
 from replicator import _env
 from replicator.comm.agreement import Agreement
 
-__all__ = ["Phase", "StepTimes", "Progress", "breakdown_table", "scalar_of", "summarize_run"]
+__all__ = ["Phase", "StepTimes", "Progress", "breakdown_table", "scalar_of", "summarize_run", "peak_memory"]
 
 
 @dataclass
@@ -268,15 +268,36 @@ def breakdown_table(per_replica: list[list[float]]) -> Any:
     return table
 
 
+def peak_memory() -> list[float]:
+    """This process's peak memory so far: [resident set bytes (ru_maxrss), CUDA bytes allocated at most or -1]."""
+    import resource
+    import sys
+
+    # ru_maxrss counts KiB on Linux and bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else -1
+    return [float(rss), float(cuda)]
+
+
+def _named_peaks(rows: list[list[float]]) -> list[dict[str, Any]]:
+    """Each replica's peak_memory() as summary.json's `peak_memory` entries (no CUDA figure off CUDA)."""
+    return [{"replica": replica, "max_rss_bytes": int(rss), "cuda_max_allocated_bytes": None if cuda < 0 else int(cuda)}
+            for replica, (rss, cuda) in enumerate(rows)]
+
+
 def summarize_run(agreement: Agreement, times: StepTimes, steps: int, ended_early: list[int],
                   show: bool) -> dict[str, Any]:
     """Gather every replica's step times; print the breakdown table where `show`; return the run's figures.
 
     `per_replica` holds each replica's `StepTimes.as_values()` (steady steps, then warm-up);
-    `communication_share` is over the steady steps (over the warm-up when there were no others).
+    `communication_share` is over the steady steps (over the warm-up when there were no others); `peak_memory` is
+    each replica's peak resident memory (and CUDA allocation) by the end of the run.
     """
-    summary = agreement.exchange("run summary", "", times.as_values())
-    per_replica = [[float(v) for v in intent.values] for intent in summary]
+    # The peak memory rides on the same message as the step times: no collective of its own.
+    row = times.as_values()
+    summary = agreement.exchange("run summary", "", row + peak_memory())
+    per_replica = [[float(v) for v in intent.values[:len(row)]] for intent in summary]
+    peaks = [[float(v) for v in intent.values[len(row):]] for intent in summary]
     main = 0 if any(row[0] for row in per_replica) else PHASE_VALUES
     total_step = sum(r[main + 1] for r in per_replica)
     total_comm = sum(r[main + 3] for r in per_replica)
@@ -291,5 +312,6 @@ def summarize_run(agreement: Agreement, times: StepTimes, steps: int, ended_earl
         "samples_per_second": times.steady_samples_per_second(),
         "communication_share": float(total_comm / max(total_step + total_input, 1e-12)),
         "per_replica": per_replica,
+        "peak_memory": _named_peaks(peaks),
         "ended_early": ended_early,
     }

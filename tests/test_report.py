@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -145,3 +146,37 @@ def test_report_flags_an_efficiency_above_100_percent(two_runs: tuple[Path, Path
     assert "scaling efficiency: 150.0%" in printed
     assert "warning: an efficiency above 100 % means the baseline was slower per replica" in printed
     assert "`replicator launch -n 1 --threads 1 " in printed
+
+
+BALLAST_MIB = 256
+
+
+def train_with_ballast(record: str) -> tuple[str | None, int, int]:
+    """`train`, with replica 1 touching BALLAST_MIB more memory before it: (run_dir, peak RSS before and after, KiB)."""
+    import resource
+
+    if os.environ["RANK"] == "1":  # run_replicas sets it, as torchrun does
+        ballast = torch.ones(BALLAST_MIB * 2**18)  # 4-byte elements, every page written
+        del ballast
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    run_dir = train(record, steps=4)
+    return run_dir, before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def test_report_shows_each_replicas_peak_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    results = run_replicas(train_with_ballast, 2, str(tmp_path / "run"), timeout_s=90)
+    run_dir = Path(str(results[0][0]))
+    peaks = json.loads((run_dir / "summary.json").read_text())["peak_memory"]
+    assert [entry["replica"] for entry in peaks] == [0, 1]
+    for entry, (_, before_kib, after_kib) in zip(peaks, results, strict=True):
+        # Each replica's own peak, read at the end of run(): between its peaks before and after run() (Linux KiB).
+        assert 1024 * before_kib <= entry["max_rss_bytes"] <= 1024 * after_kib
+        assert entry["cuda_max_allocated_bytes"] is None  # a CPU run
+    # Replica 1's ballast shows on its figure alone (half of it: the two processes differ by less than that).
+    assert peaks[1]["max_rss_bytes"] - peaks[0]["max_rss_bytes"] > BALLAST_MIB * 2**20 // 2
+
+    assert main(["report", str(run_dir), "--no-prediction"]) == 0
+    printed = capsys.readouterr().out
+    line = next(line for line in printed.splitlines() if "peak memory per replica (resident set)" in line)
+    for entry in peaks:
+        assert f"replica {entry['replica']} {entry['max_rss_bytes'] / 2**20:,.1f} MiB" in line

@@ -10,8 +10,10 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from replicator.cli._plan_memory import memory_record, print_memory
 from replicator.plan import presets, published
 from replicator.plan.conversion import cast_bandwidth_from_memory
+from replicator.plan.memory import OPTIMIZER_STATES
 from replicator.plan.planner import (
     BY_ALGORITHM,
     MB,
@@ -115,9 +117,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="forward FLOPs per sample (a multiply-add is 2), e.g. 8.2G")
     model.add_argument("--batch-per-gpu", type=_count, default=32, help="samples per GPU per step (default: 32)")
     model.add_argument("--gradient-dtype", choices=sorted(_GRADIENT_BYTES), default="float32",
-                       help="the type the model's gradients are in, hence on the wire with no conversion "
+                       help="the type the model's parameters and gradients are in, hence on the wire with no "
+                            "conversion, and in the memory table "
                             "(float16 or bfloat16 for a model trained in 16 bits; --fp16 weighs compressing "
                             "float32 gradients instead) (default: float32)")
+    model.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adam",
+                       help="the optimizer, for the memory table: adam (Adam/AdamW, 2 states per parameter), "
+                            "momentum (SGD with momentum, 1) or sgd (none) (default: adam)")
+    model.add_argument("--memory-per-gpu", type=_positive, default=None, metavar="GB",
+                       help="GB (1e9 bytes) of one GPU's memory for model state: name the least sharded "
+                            "shard level that fits")
     measured = model.add_mutually_exclusive_group()
     measured.add_argument("--samples-per-s", type=_positive, default=None,
                           help="training throughput measured on one device at --batch-per-gpu; replaces the "
@@ -374,13 +383,19 @@ def main(options: argparse.Namespace) -> int:
         if workload.step_s is None:
             _warn_flops(workload, accelerator)
         if options.json:
-            print(json.dumps(_records(result, options.baseline_gpus), indent=1))
+            records = _records(result, options.baseline_gpus)
+            for record in records:
+                record["memory"] = memory_record(workload, options, _GRADIENT_BYTES[options.gradient_dtype],
+                                                 int(record["gpus"]),  # type: ignore[call-overload]
+                                                 int(record["stages"]))  # type: ignore[call-overload]
+            print(json.dumps(records, indent=1))
             return 0
         compute = (f"{workload.batch_per_gpu / workload.step_s:,.1f} samples/s measured" if workload.step_s
                    else f"{(workload.flops_per_sample or 0) / 1e9:.2f} GFLOP/sample (estimated)")
         title = (f"{name}: {workload.params / 1e6:,.1f} M params, {compute}, batch {workload.batch_per_gpu}/GPU, "
                  f"{options.gpus_per_node} GPUs/node, interference {1 - accelerator.overlap:.4g}")
         _print_plan(result, list(dict.fromkeys(r.reducer for r in reducers)), title, options.baseline_gpus)
+        print_memory(workload, options, _GRADIENT_BYTES[options.gradient_dtype], result.gpu_counts, _console())
         return 0
     except ValueError as error:
         print(f"replicator plan: {error}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """Alpha–beta scaling planner: collective costs, gradient profiles, the step model, the planner (`replicator plan`)."""
 
 from replicator.plan.cost import Level, all_reduce_time
+from replicator.plan.memory import SHARD_LEVELS, ShardMemory, shard_memory
 from replicator.plan.planner import (
     REDUCERS,
     Cluster,
@@ -41,4 +42,7 @@ __all__ = [
     "from_factory",
     "Transport",
     "TRANSPORTS",
+    "SHARD_LEVELS",
+    "ShardMemory",
+    "shard_memory",
 ]

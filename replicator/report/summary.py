@@ -48,6 +48,23 @@ def _time_went(breakdown: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _peak_memory(summary: dict[str, Any]) -> list[str]:
+    """Each replica's peak resident memory (and peak CUDA allocation on CUDA), as summary.json's `peak_memory`."""
+    peaks = summary.get("peak_memory") or []
+    if not peaks:
+        return []  # a record written before peak memory was recorded
+
+    def mib(nbytes: float) -> str:
+        return f"{nbytes / 2**20:,.1f} MiB"
+
+    parts = [f"replica {entry['replica']} {mib(entry['max_rss_bytes'])}"
+             + ("" if entry.get("cuda_max_allocated_bytes") is None
+                else f" (CUDA {mib(entry['cuda_max_allocated_bytes'])})") for entry in peaks]
+    on_cuda = any(entry.get("cuda_max_allocated_bytes") is not None for entry in peaks)
+    what = "resident set, CUDA allocated" if on_cuda else "resident set"
+    return [f"  peak memory per replica ({what}): {'; '.join(parts)}"]
+
+
 def _staleness(summary: dict[str, Any]) -> list[str]:
     groups = summary.get("asynchronous", {}).get("groups") or {}
     lines = []
@@ -95,7 +112,7 @@ def describe_run(run: Run, series: ScalingSeries | None) -> list[str]:
                          f"{_rate(series.baseline.throughput or 0)} samples/s ({series.baseline.path})")
             lines += [f"  warning: {warning}" for warning in fairness_warnings(series, run.replicas)]
     lines += _time_went(run.breakdown) if run.breakdown else []
-    return lines + _staleness(run.summary) + _actor_learner(run.summary)
+    return lines + _peak_memory(run.summary) + _staleness(run.summary) + _actor_learner(run.summary)
 
 
 def describe_scaling(series: ScalingSeries) -> list[str]:
