@@ -17,6 +17,7 @@ removed; the notes are written and read by the heartbeat thread.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -86,6 +87,10 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="replicator-heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
+        # A first note before the job goes on, so that a peer stopped from its first step on is named as silent
+        # rather than as not started.
+        with contextlib.suppress(Exception):  # the thread's own loop says nothing of a store gone either
+            self._beat(job_store())
         self._thread.start()
         return self
 
