@@ -8,6 +8,7 @@ collective moves CUDA tensors and every gradient bucket is reduced while backwar
 - overlap: the run's timeline, every gradient bucket launched inside its step's backward;
 - a compressed reducer (fp16) whose reductions run on the reducer's thread and CUDA stream;
 - a checkpoint saved from CUDA replicas and restored by one CPU process, bit for bit;
+- `shard="gradients"` (ZeRO-2) on the same replicas, bit for bit with `shard=None`;
 - the run record written on CUDA and `replicator report` reading it;
 - the D4PG example with its learner on CUDA (1 learner, 1 actor, the evaluator).
 
@@ -62,10 +63,11 @@ def _exact_kernels() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
-def _replicas(directory: str, reducer: str) -> dict[str, Any]:
+def _replicas(directory: str, reducer: str, shard: str | None = None) -> dict[str, Any]:
     """One replica of the 2-replica job: train, time it, checkpoint it; return its parameters on CPU."""
     _exact_kernels()
-    repl = rp.Replicator(reducer=reducer, bucket_cap_mb=1e-6)  # a bucket per parameter: several in flight
+    repl = rp.Replicator(reducer=reducer, bucket_cap_mb=1e-6, shard=shard)  # a bucket per parameter: several at once
+    reducer = reducer if shard is None else f"{reducer}-{shard}"  # the name of this run's files
     with repl.scope():
         model = _model(rp.nn.CrossReplicaBatchNorm2d)
         optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
@@ -154,6 +156,15 @@ def check_replicas(directory: str, device_env: dict[str, str], reducer: str,
     return figures
 
 
+def check_sharded(directory: str, device_env: dict[str, str], trained: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """ZeRO-2 on the replicas that trained `trained` unsharded: the same parameters, bit for bit."""
+    results = run_replicas(_replicas, 2, directory, "flat", "gradients", env=device_env, timeout_s=300)
+    equal = all(torch.equal(results[0]["parameters"][name], trained[name]) for name in trained)
+    same = all(torch.equal(results[0]["parameters"][k], results[1]["parameters"][k]) for k in trained)
+    return {"devices": results[0]["devices"], "bit-identical to shard=None": equal, "replicas bit-identical": same,
+            "ok": bool(equal and same)}
+
+
 def _restore_on_cpu(path: str) -> dict[str, torch.Tensor]:
     repl = rp.Replicator()
     with repl.scope():
@@ -222,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         checks: dict[str, Callable[[], dict[str, Any]]] = {
             "2 replicas on one GPU, flat reducer": lambda: check_replicas(directory, device_env, "flat", trained),
             "checkpoint from CUDA restored on CPU": lambda: check_checkpoint(directory, trained),
+            "2 replicas on one GPU, shard='gradients'": lambda: check_sharded(directory, device_env, trained),
             "2 replicas on one GPU, fp16 reducer": lambda: check_replicas(directory, device_env, "fp16", {}),
             "run record and report": lambda: check_report(directory),
             "D4PG, learner on the GPU": lambda: check_d4pg(os.path.join(directory, "d4pg"), device),
