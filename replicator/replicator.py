@@ -179,7 +179,7 @@ class Replicator:
         from replica 0's values too.
         """
         self.models.check_wrappable(optimizer)
-        return self.optimizers.wrap(optimizer, self.models.tensor_names)
+        return self.optimizers.wrap(optimizer, self.models.tensor_names, self.models.names())
 
     def broadcast_state(self, *objects: torch.nn.Module | torch.optim.Optimizer) -> None:
         """Copy replica 0's parameters and buffers (modules) and state and options (optimizers) to every replica.

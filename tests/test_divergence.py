@@ -164,8 +164,10 @@ def test_replicas_that_build_different_models_name_the_first_differing_parameter
         run_failing_fast: Callable[..., Any]) -> None:
     with pytest.raises(ReplicaFailure) as caught:
         run_failing_fast(_builds_per_replica, 3)
+    # Caught where the optimizer is wrapped, before its reducer allocates buckets: there, replicas with other
+    # models disagreed on the number of buckets and one of them met the others' exit (1 run in ~16 under load).
     _everyone_raised(
-        caught, 3, "ReplicaMismatchError", "at the end of repl.scope()",
+        caught, 3, "ReplicaMismatchError", "when optimizer 0 (SGD) was wrapped",
         "replica 1 has Sequential.0.weight (4, 6) float32 where replica 0 has Sequential.0.weight (2, 6) float32",
         "replica 2 has Sequential.0.weight (3, 4) float32 where replica 0 has Sequential.0.weight (2, 6) float32",
         "Every replica must build the same model",

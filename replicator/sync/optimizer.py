@@ -16,6 +16,7 @@ import torch.distributed as dist
 from replicator.comm.agreement import Agreement
 from replicator.context import ReplicaContext
 from replicator.errors import NonFiniteError, ReplicatorUsageError
+from replicator.identity import require_same_layout
 from replicator.nn.spectral import spectral_normed
 from replicator.sync.fsdp import NO_ACCUMULATION, clip_shards_, is_sharded, shards_finite, take_sharded
 from replicator.sync.reducers import Reducer
@@ -85,8 +86,10 @@ class SyncedOptimizers:
         self.update: Callable[[int, torch.optim.Optimizer], None] | None = None
 
     # -- wrapping ----------------------------------------------------------------------
-    def wrap(self, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> torch.optim.Optimizer:
-        """Synchronize `optimizer`'s gradients; `names` name its parameters in errors."""
+    def wrap(self, optimizer: torch.optim.Optimizer, names: dict[int, str],
+             built: dict[int, str] | None = None) -> torch.optim.Optimizer:
+        """Synchronize `optimizer`'s gradients; `names` name its parameters in errors (a dict the scope keeps
+        filling), `built` those of every tensor built so far, an open scope block's included."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"wrap_optimizer() takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if any(w.optimizer is optimizer for w in self.wrapped):
@@ -99,6 +102,10 @@ class SyncedOptimizers:
                     "give each parameter to one optimizer (or use parameter groups)"
                 )
         label = f"optimizer {len(self.wrapped)} ({type(optimizer).__name__})"
+        # Before the reducer allocates its buckets (the shared-memory one agrees on each): replicas that built
+        # different models would disagree on how many buckets there are, and meet the wrong peers' messages.
+        require_same_layout(self.agreement, [((built or names).get(id(p), "a parameter"), p) for p in params],
+                            f"when {label} was wrapped", _SAME_PARAMETERS)
         count = UpdateCount()
         # shard="parameters": FSDP2 averages the gradients (replicator.sync.fsdp); the synchronizer reduces none.
         synced = [] if self.shards_parameters else params
@@ -480,3 +487,9 @@ def _norm_of_shards(norm: torch.Tensor, norm_type: float, group: dist.ProcessGro
     powered = norm.to(torch.float64) ** norm_type
     dist.all_reduce(powered, group=group)
     return (powered ** (1.0 / norm_type)).to(norm.dtype)
+
+
+_SAME_PARAMETERS = (
+    "Every replica must build the same model and give each optimizer the same parameters in the same order: look "
+    "for a size, a layer or an option that depends on the replica or on data only one replica reads."
+)
