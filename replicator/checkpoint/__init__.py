@@ -50,9 +50,10 @@ from replicator.checkpoint.state import (
     parameter_names,
     plan_optimizer,
     plan_schedulers,
+    read_record,
     scheduler_state,
 )
-from replicator.checkpoint.values import from_json, to_json
+from replicator.checkpoint.values import from_json, plain_json, to_json
 from replicator.comm.decision import everyone_agrees
 from replicator.errors import ReplicatorUsageError
 
@@ -211,7 +212,7 @@ def _gather(
         "torch": torch.__version__,
     }
     if share.regime:
-        job["regime"] = to_json(dict(share.regime), "the regime's record")
+        job["regime"] = plain_json(dict(share.regime), "the regime's record")  # the library's own: read as it is
     return tensors, {"optimizers": optimizer_records, "schedulers": scheduler_records}, job
 
 
@@ -253,7 +254,7 @@ def restore(
         named = named_modules(modules)
         info = read_info(path)
         # Optimizer records merge by parameter name over every record file: stages, servers, sync groups.
-        records = {p.stem: from_json(json.loads(p.read_text())) for p in sorted(path.glob("*.json"))
+        records = {p.stem: read_record(json.loads(p.read_text()), info["format"]) for p in sorted(path.glob("*.json"))
                    if p.name != JOB_FILE}
         stages = {int(stem[5:]): record for stem, record in records.items() if re.fullmatch(r"stage\d+", stem)}
         available = tensor_metadata(path)
@@ -310,7 +311,7 @@ def restore(
             restored_rng = True
         else:
             fresh_seed(step, layout)
-    input_state = dict(from_json(info["input"]))
+    input_state = {key: from_json(value, info["format"]) for key, value in info["input"].items()}
     input_state.update({k[6:]: v for k, v in local.items() if k.startswith("input/")})
-    return Restored(path, step, input_state, from_json(info["extra"]), saved_layout, restored_rng,
-                    dict(from_json(info.get("regime", {}))))
+    return Restored(path, step, input_state, from_json(info["extra"], info["format"]), saved_layout, restored_rng,
+                    dict(info.get("regime", {})))

@@ -14,7 +14,7 @@ from replicator.errors import ReplicatorUsageError
 
 __all__ = ["step_path", "latest", "prune", "read_info"]
 
-FORMAT = 1
+FORMAT = 2  # 2: values are replicator.codec's tagged JSON (1: tags of its own, still read)
 JOB_FILE = "replicator.json"  # written last, by rank 0: a directory without it is not a checkpoint
 PARTIAL_SUFFIX = ".partial"
 STEP_NAME = re.compile(r"^step_(\d+)$")
@@ -65,9 +65,10 @@ def read_info(path: str | os.PathLike[str]) -> dict[str, Any]:
             "to find the last complete one"
         )
     info = json.loads((path / JOB_FILE).read_text())
-    if info.get("format") != FORMAT:
+    if info.get("format") not in range(1, FORMAT + 1):
         raise CheckpointError(
-            f"{path} has checkpoint format {info.get('format')!r}; this replicator reads format {FORMAT}"
+            f"{path / JOB_FILE} has checkpoint format {info.get('format')!r}; this replicator reads formats 1 to "
+            f"{FORMAT}: a newer replicator wrote it, so restore it with that one"
         )
     return info
 

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from replicator.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from replicator.checkpoint.layout import Layout
-from replicator.checkpoint.values import to_json
+from replicator.checkpoint.values import from_json, to_json
 from replicator.errors import ReplicatorUsageError
 
 __all__: list[str] = []
@@ -119,6 +119,17 @@ def scheduler_state(scheduler: Any, index: int) -> Any:
     # Callables are code, not state: a wrapped scheduler's own step, LambdaLR's functions.
     state = {k: v for k, v in scheduler.state_dict().items() if not callable(v)}
     return to_json(state, f"scheduler {index}")
+
+
+def read_record(record: Mapping[str, Any], checkpoint_format: int) -> dict[str, Any]:
+    """A record file's optimizer and scheduler records with their values decoded (what optimizer_state wrote)."""
+    optimizers = [{**saved, "scalars": {name: {key: from_json(value, checkpoint_format) for key, value in entry.items()}
+                                        for name, entry in saved["scalars"].items()},
+                   "param_groups": [{**group, "hyper": from_json(group["hyper"], checkpoint_format)}
+                                    for group in saved["param_groups"]]}
+                  for saved in record["optimizers"]]
+    schedulers = [from_json(state, checkpoint_format) for state in record["schedulers"]]
+    return {"optimizers": optimizers, "schedulers": schedulers}
 
 
 def listing(keys: Iterable[str]) -> str:
