@@ -1,7 +1,15 @@
 """replicator: write input_fn and step_fn for one device; run them on many."""
 
 from replicator import nn
-from replicator.asynchronous import ActorContext, ActorLearnerError, Replay, ReplaySample
+from replicator.asynchronous import (
+    ActorContext,
+    ActorLearner,
+    ActorLearnerError,
+    DiLoCo,
+    ParameterServers,
+    Replay,
+    ReplaySample,
+)
 from replicator.context import InputContext, ReplicaContext
 from replicator.errors import NonFiniteError, ReplicaMismatchError, ReplicatorError, ReplicatorUsageError
 from replicator.replicator import Replicator
@@ -10,6 +18,9 @@ from replicator.sync.precision import Precision
 __all__ = [
     "Replicator",
     "Precision",
+    "ParameterServers",
+    "DiLoCo",
+    "ActorLearner",
     "InputContext",
     "ReplicaContext",
     "ReplicatorError",
