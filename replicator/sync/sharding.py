@@ -18,10 +18,14 @@ stay plain tensors. The user's optimizer itself never steps and holds no state.
   averaged (while the next one travels), each replica keeps its slice of it (1/N) and the bucket's
   buffer is released, so at most two full buckets live during backward and none between steps.
   A reducer that can stop after the scatter does (the shared-memory one, on one node: each replica
-  sums only its slice); the others reduce in full. `.grad` is None after the backward pass.
+  sums only its slice, read from the rows the buckets were loaded into and written straight into
+  the slice it keeps: replicator.sync.transport); the others reduce in full. `.grad` is None after
+  the backward pass.
 
-The parameters' all-gather goes through the reducer where it has one (shared memory), else over
-the replica group, two buckets in flight.
+The parameters' all-gather goes through the reducer where it has one (shared memory: each replica
+writes its updated elements from its parameters into its peers' rows and copies theirs from its own
+row into its parameters, no flat copy of a bucket in between), else over the replica group, two
+buckets in flight.
 
 The update of every element is the arithmetic one process does on that element (element-wise
 optimizers: SGD, Adam, AdamW, ...), on the same averaged gradient: hence bit-equality with

@@ -296,7 +296,7 @@ class GradientSynchronizer:
         self.on_wait(time.perf_counter() - started)
         assert self.keep_slice is not None and self.transport is not None
         counts = None if all(bucket.flags) else bucket.presence().tolist()
-        self.keep_slice(bucket, counts, self.transport.summed(bucket))
+        self.keep_slice(bucket, counts, self.transport.settle(bucket))
         bucket.release_buffer()
 
     # -- at step ---------------------------------------------------------------------
@@ -467,7 +467,7 @@ class GradientSynchronizer:
         if self.transport is not None:
             for bucket in self.buckets:
                 bucket.release_buffer()
-            self.transport.clear()
+            self.transport.reset()
         self._window_open = False
         self._rounds = 0
         self._finalize_pass = None  # one that raised before its end never ran its callback
