@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -19,8 +20,8 @@ REPLICAS = 3  # uneven slices
 STEPS = 3
 
 
-def scatter_into_slices_and_gather_into_parts() -> dict[str, Any]:
-    """Inside a replica of 3 on one node: the reducer's scatter into `out`, and its all-gather into parts."""
+def scatter_into_slices_and_gather_into_parts(replicas: int) -> dict[str, Any]:
+    """Inside a replica on one node: the reducer's scatter into `out`, and its all-gather into parts."""
     from replicator.sync.bucket import assign_buckets
     from replicator.sync.reducers import make_reducer
     from replicator.topology import build_process_groups, discover
@@ -39,7 +40,7 @@ def scatter_into_slices_and_gather_into_parts() -> dict[str, Any]:
             values = torch.arange(numel + 1, dtype=torch.float32) * (rank + 1) / 7  # roundings in the sums
             bucket.buffer.copy_(values)
             total = numel + 1
-            mine = slice(total * rank // REPLICAS, total * (rank + 1) // REPLICAS)
+            mine = slice(total * rank // replicas, total * (rank + 1) // replicas)
             out = torch.full((max(0, min(mine.stop, numel) - min(mine.start, numel)),), float("nan"))
             reducer.scatter(bucket.buffer, groups.replica, bucket, out).wait()
             whole = values.clone()  # the full sum of the same rows, as shard=None reduces
@@ -51,12 +52,12 @@ def scatter_into_slices_and_gather_into_parts() -> dict[str, Any]:
         buckets, parts_of = [], []
         for whole, row in zip(truth, via):
             numel = whole.numel()
-            mine = slice(numel * rank // REPLICAS, numel * (rank + 1) // REPLICAS)
+            mine = slice(numel * rank // replicas, numel * (rank + 1) // replicas)
             known = torch.full((numel,), -1.0)
             known[mine] = whole[mine]
             cuts = [0, numel // 3, numel // 2 + 1, numel]  # parts that cross the replicas' slices
             parts = [(known[a:b], a) for a, b in zip(cuts, cuts[1:]) if a < b]
-            buckets.append((parts, [numel * k // REPLICAS for k in range(REPLICAS + 1)], row))
+            buckets.append((parts, [numel * k // replicas for k in range(replicas + 1)], row))
             parts_of.append(known)
         reducer.all_gather_into(buckets).wait()
         found[f"gather {name}"] = all(torch.equal(got, whole) for got, whole in zip(parts_of, truth))
@@ -64,14 +65,15 @@ def scatter_into_slices_and_gather_into_parts() -> dict[str, Any]:
     return found
 
 
-def test_shared_memory_reducer_scatters_into_a_slice_and_gathers_into_parts() -> None:
-    results = run_replicas(scatter_into_slices_and_gather_into_parts, REPLICAS, timeout_s=240)
+@pytest.mark.parametrize("replicas", [2, 3, 4])  # the slice summed by one addition (2), by sum(dim=0) (3, 4)
+def test_shared_memory_reducer_scatters_into_a_slice_and_gathers_into_parts(replicas: int) -> None:
+    results = run_replicas(scatter_into_slices_and_gather_into_parts, replicas, replicas, timeout_s=240)
     for rank, found in enumerate(results):
         for name in ("alternating rows", "one row", "staged"):
             assert found[f"gather {name}"], (rank, name)
         for numel in (2, 11, 100):
             total = numel + 1
-            mine = slice(total * rank // REPLICAS, total * (rank + 1) // REPLICAS)
+            mine = slice(total * rank // replicas, total * (rank + 1) // replicas)
             for where in ("staged", "lent"):
                 before, after, out, whole = found[f"{where} {numel}"]
                 # The slice's sum, short of the presence slot, went to `out`, in the bits of the full sum.
