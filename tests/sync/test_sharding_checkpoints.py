@@ -23,6 +23,7 @@ Each (N, role) is one run_replicas call whose processes run every trajectory of 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import replicator as rp
+from replicator.checkpoint import CheckpointError
 from replicator.testing import run_replicas
 
 GLOBAL_BATCH = 12  # divides by 1, 2, 3 and 4
@@ -304,3 +306,80 @@ def test_training_resumed_at_the_same_replica_count_and_level_is_bit_equal_to_th
                 same(resumed["losses"], after, f"{where}: losses")
                 same(resumed["final"], uninterrupted["final"], f"{where}: final state")
                 near_one_process(uninterrupted["final"]["params"], KIND_AT[replicas], where)
+
+
+# -- a checkpoint whose layout cannot be read --------------------------------------------------------------------
+DAMAGES = ("incomplete", "slice", "cut", "record", "index")
+
+
+def damaged_checkpoints(directory: str) -> None:
+    """Inside one process: AdamW for SAVED_AT steps, then a checkpoint per damage; the optimizer's own are made
+    here (an entry without exp_avg_sq; exp_avg saved as a replica's slice, as a sharded run that forgot to gather
+    would), the files' by the test."""
+    repl = rp.Replicator()
+    with repl.scope():
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = repl.wrap_optimizer(make_optimizer("adamw", model))
+
+    def step_fn(ctx: rp.ReplicaContext, batch: Any) -> None:
+        x, y = batch
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+    for _ in repl.run(step_fn, [my_batch(step, 0, 1) for step in range(SAVED_AT)], record=False):
+        pass
+    state = optimizer.state[model.head.weight]
+    whole_state = dict(state)
+    for damage in DAMAGES:
+        if damage == "incomplete":
+            del state["exp_avg_sq"]
+        elif damage == "slice":
+            state["exp_avg"] = whole_state["exp_avg"].reshape(-1)[:12].clone()
+        repl.save(f"{directory}/{damage}")
+        state.clear()
+        state.update(whole_state)
+    repl.close()
+
+
+def restore_damaged(directory: str, shard: str) -> dict[str, str]:
+    """Inside a replica: restore each damaged checkpoint with `shard`; the error each raised (its type and message)."""
+    found = {}
+    for damage in DAMAGES:
+        repl = rp.Replicator(shard=shard)
+        with repl.scope():
+            model = Net()
+            repl.wrap_optimizer(make_optimizer("adamw", model))
+        try:
+            repl.restore(f"{directory}/{damage}")
+            found[damage] = "restored"
+        except CheckpointError as error:
+            found[damage] = f"{type(error).__name__}: {error}"
+        repl.close()
+    return found
+
+
+def test_a_checkpoint_whose_optimizer_layout_cannot_be_read_is_named_with_its_file_and_key_on_every_replica(
+        tmp_path: Path) -> None:
+    run_replicas(damaged_checkpoints, 1, str(tmp_path), timeout_s=TIMEOUT_S)
+    (data,) = (tmp_path / "cut").glob("*.distcp")
+    os.truncate(data, data.stat().st_size // 2)  # a copy interrupted half-way
+    (tmp_path / "record" / "stage0.json").write_text('{"optimizers": [')
+    (tmp_path / "index" / ".metadata").write_bytes(b"\x80\x04 not a pickle any more")
+    expected = {
+        "incomplete": [f"{tmp_path / 'incomplete' / '.metadata'} lists _optim/model.head.weight/exp_avg_sq",
+                       f"{tmp_path / 'incomplete' / 'stage0.json'}", "has no exp_avg_sq"],
+        "slice": [f"_optim/model.head.weight/exp_avg (in {tmp_path / 'slice'}/__", "has shape (12,)",
+                  "keeps exp_avg of shape (5, 7) for model.head.weight"],
+        "cut": [f"{data} ends at byte {data.stat().st_size}", "the checkpoint's entry "],
+        "record": [f"checkpoint file {tmp_path / 'record' / 'stage0.json'} cannot be read (JSONDecodeError"],
+        "index": [f"{tmp_path / 'index' / '.metadata'} (DCP's index of the checkpoint's tensors) cannot be read"],
+    }
+    for replicas, shard in ((FOUR, "optimizer"), (2, "parameters")):
+        for replica, found in enumerate(run_replicas(restore_damaged, replicas, str(tmp_path), shard,
+                                                     timeout_s=TIMEOUT_S)):
+            for damage, parts in expected.items():
+                where = f"{damage}, shard={shard!r}, replica {replica} of {replicas}: {found[damage]}"
+                assert found[damage].startswith(("CheckpointError", "CheckpointMismatchError")), where
+                assert all(part in found[damage] for part in parts), where
