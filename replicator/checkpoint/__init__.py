@@ -318,8 +318,12 @@ def restore(
         prefix = f"{name}."
         own: dict[str, Any] = {k[len(prefix):]: v for k, v in target.items() if k.startswith(prefix)}
         set_model_state_dict(module, own, options=StateDictOptions(strict=True))
-    for optimizer, plan in zip(optimizers, optimizer_loads):
-        optimizer.load_state_dict(plan(target))
+    for index, (optimizer, plan) in enumerate(zip(optimizers, optimizer_loads)):
+        try:
+            optimizer.load_state_dict(plan(target))
+        except (ValueError, KeyError, ReplicatorUsageError) as error:  # the same on every process: the same state
+            raise CheckpointMismatchError(f"checkpoint {path}: optimizer {index} ({type(optimizer).__name__}) cannot "
+                                          f"take the saved state: {error}") from error
     for scheduler, state in zip(schedulers, scheduler_states):
         scheduler.load_state_dict(dict(state))
 

@@ -69,13 +69,17 @@ class Net(torch.nn.Module):
         return self.head(torch.tanh(self.embed(x))) * self.scale
 
 
+class OwnAdamW(torch.optim.AdamW):
+    """An optimizer of the user's own (outside torch.optim): restore cannot predict the state it keeps."""
+
+
 def make_optimizer(kind: str, model: Net) -> torch.optim.Optimizer:
     """Two parameter groups with different learning rates, interleaved in the buckets' order."""
     groups = [{"params": [model.embed.weight, model.head.bias], "lr": LRS[0]},
               {"params": [model.embed.bias, model.head.weight, model.scale], "lr": LRS[1]}]
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=LRS[0], momentum=0.9, weight_decay=0.01)
-    return torch.optim.AdamW(groups, lr=LRS[0], weight_decay=0.1)
+    return (OwnAdamW if kind == "own" else torch.optim.AdamW)(groups, lr=LRS[0], weight_decay=0.1)
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,18 +313,20 @@ def test_training_resumed_at_the_same_replica_count_and_level_is_bit_equal_to_th
 
 
 # -- a checkpoint whose layout cannot be read --------------------------------------------------------------------
-DAMAGES = ("incomplete", "slice", "cut", "record", "index")
+# Damages of the optimizer's state, made before saving (an entry without exp_avg_sq; exp_avg saved as a replica's
+# slice, as a sharded run that forgot to gather would; the same with an optimizer of the user's own), and of the
+# files, made by the test after (a data file cut short, a record and DCP's .metadata overwritten).
+DAMAGES = {"incomplete": "adamw", "slice": "adamw", "own_slice": "own", "cut": "adamw", "record": "adamw",
+           "index": "adamw"}
 
 
-def damaged_checkpoints(directory: str) -> None:
-    """Inside one process: AdamW for SAVED_AT steps, then a checkpoint per damage; the optimizer's own are made
-    here (an entry without exp_avg_sq; exp_avg saved as a replica's slice, as a sharded run that forgot to gather
-    would), the files' by the test."""
+def damaged_checkpoints(directory: str, kind: str) -> None:
+    """Inside one process: `kind` for SAVED_AT steps, then a checkpoint for each damage made with `kind`."""
     repl = rp.Replicator()
     with repl.scope():
         torch.manual_seed(0)
         model = Net()
-        optimizer = repl.wrap_optimizer(make_optimizer("adamw", model))
+        optimizer = repl.wrap_optimizer(make_optimizer(kind, model))
 
     def step_fn(ctx: rp.ReplicaContext, batch: Any) -> None:
         x, y = batch
@@ -332,10 +338,10 @@ def damaged_checkpoints(directory: str) -> None:
         pass
     state = optimizer.state[model.head.weight]
     whole_state = dict(state)
-    for damage in DAMAGES:
+    for damage in (damage for damage, by in DAMAGES.items() if by == kind):
         if damage == "incomplete":
             del state["exp_avg_sq"]
-        elif damage == "slice":
+        elif damage.endswith("slice"):
             state["exp_avg"] = whole_state["exp_avg"].reshape(-1)[:12].clone()
         repl.save(f"{directory}/{damage}")
         state.clear()
@@ -346,11 +352,11 @@ def damaged_checkpoints(directory: str) -> None:
 def restore_damaged(directory: str, shard: str) -> dict[str, str]:
     """Inside a replica: restore each damaged checkpoint with `shard`; the error each raised (its type and message)."""
     found = {}
-    for damage in DAMAGES:
+    for damage, kind in DAMAGES.items():
         repl = rp.Replicator(shard=shard)
         with repl.scope():
             model = Net()
-            repl.wrap_optimizer(make_optimizer("adamw", model))
+            repl.wrap_optimizer(make_optimizer(kind, model))
         try:
             repl.restore(f"{directory}/{damage}")
             found[damage] = "restored"
@@ -362,7 +368,8 @@ def restore_damaged(directory: str, shard: str) -> dict[str, str]:
 
 def test_a_checkpoint_whose_optimizer_layout_cannot_be_read_is_named_with_its_file_and_key_on_every_replica(
         tmp_path: Path) -> None:
-    run_replicas(damaged_checkpoints, 1, str(tmp_path), timeout_s=TIMEOUT_S)
+    for kind in set(DAMAGES.values()):
+        run_replicas(damaged_checkpoints, 1, str(tmp_path), kind, timeout_s=TIMEOUT_S)
     (data,) = (tmp_path / "cut").glob("*.distcp")
     os.truncate(data, data.stat().st_size // 2)  # a copy interrupted half-way
     (tmp_path / "record" / "stage0.json").write_text('{"optimizers": [')
@@ -376,10 +383,16 @@ def test_a_checkpoint_whose_optimizer_layout_cannot_be_read_is_named_with_its_fi
         "record": [f"checkpoint file {tmp_path / 'record' / 'stage0.json'} cannot be read (JSONDecodeError"],
         "index": [f"{tmp_path / 'index' / '.metadata'} (DCP's index of the checkpoint's tensors) cannot be read"],
     }
+    # What OwnAdamW keeps is not predicted: shard="parameters" refuses a state tensor not shaped as its parameter
+    # (FSDP2 cuts shards from those only) while planning the load, shard="optimizer" while taking its slices.
+    own_slice = {"parameters": [f"_optim/model.head.weight/exp_avg (in {tmp_path / 'own_slice'}/__",
+                                "has shape (12,)"],
+                 "optimizer": [f"checkpoint {tmp_path / 'own_slice'}: optimizer 0 (OwnAdamW) cannot take",
+                               "state 'exp_avg' of Net.head.weight has shape (12,), neither its parameter's (5, 7)"]}
     for replicas, shard in ((FOUR, "optimizer"), (2, "parameters")):
         for replica, found in enumerate(run_replicas(restore_damaged, replicas, str(tmp_path), shard,
                                                      timeout_s=TIMEOUT_S)):
-            for damage, parts in expected.items():
+            for damage, parts in {**expected, "own_slice": own_slice[shard]}.items():
                 where = f"{damage}, shard={shard!r}, replica {replica} of {replicas}: {found[damage]}"
                 assert found[damage].startswith(("CheckpointError", "CheckpointMismatchError")), where
                 assert all(part in found[damage] for part in parts), where
