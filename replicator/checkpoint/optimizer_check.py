@@ -26,22 +26,24 @@ def predicted_state(kind: type[torch.optim.Optimizer], param: torch.Tensor, hype
                     ) -> dict[str, Shape] | None:
     """The state torch's optimizer `kind` keeps for `param` once it has stepped: each key, with its tensor's shape.
 
-    Found by one step of a throwaway `kind` over zeros shaped like `param` (FSDP2's shards, for a sharded one): no
-    parameter of the model moves and nothing is communicated. None (nothing to check against) for optimizers defined
-    outside torch.optim, whose state may come later or differ by design, and for those one plain step cannot drive
-    (a closure: LBFGS; sparse gradients: SparseAdam).
+    Found by one step of a throwaway `kind` over zeros of `param`'s (global) shape, on the meta device where the
+    step allows (no memory), else on the CPU: no parameter of the model moves and nothing is communicated. None
+    (nothing to check against) for optimizers defined outside torch.optim, whose state may come later or differ by
+    design, and for those one plain step cannot drive (a closure: LBFGS; sparse gradients: SparseAdam).
     """
-    if not kind.__module__.startswith("torch.optim."):
+    if kind.__module__.split(".")[:2] != ["torch", "optim"]:  # "torch.optim.adam", and "torch.optim" for Adafactor
         return None
-    probe = torch.zeros_like(param.detach()).requires_grad_(True)
-    probe.grad = torch.zeros_like(probe)
-    try:
-        throwaway = kind([{**hyper, "params": [probe]}])  # type: ignore[call-arg]  # torch's take defaults
-        throwaway.step()
-    except Exception:  # a step that needs what a plain zero gradient is not: then no prediction
-        return None
-    return {key: tuple(value.shape) if isinstance(value, torch.Tensor) else None
-            for key, value in throwaway.state[probe].items()}
+    for device in ("meta", "cpu"):  # some steps read a value (ASGD, Adafactor), which a meta tensor has not
+        try:
+            probe = torch.zeros(tuple(param.shape), dtype=param.dtype, device=device, requires_grad=True)
+            probe.grad = torch.zeros_like(probe)
+            throwaway = kind([{**hyper, "params": [probe]}])  # type: ignore[call-arg]  # torch's take defaults
+            throwaway.step()
+        except Exception:  # a step that needs what a plain zero gradient is not
+            continue
+        return {key: tuple(value.shape) if isinstance(value, torch.Tensor) else None
+                for key, value in throwaway.state[probe].items()}
+    return None
 
 
 def check_entry(stored: Index, optimizer: int, kind: type[torch.optim.Optimizer], name: str, key_of: str,
