@@ -335,9 +335,22 @@ class ShardedOptimizer:
         return whole
 
     def load_state_dict(self, state_dict: dict[str, Any], original: Callable[[dict[str, Any]], None]) -> None:
-        """Take this replica's slices of a full state_dict (saved at any N, sharded or not)."""
-        original({"state": {}, "param_groups": state_dict["param_groups"]})  # hyperparameters, checked by torch
+        """Take this replica's slices of a full state_dict (saved at any N, sharded or not).
+
+        Every entry is checked first, not only this replica's: a tensor neither shaped like its parameter nor of
+        one element has no slices to take, and every replica must refuse it alike (one owning no slice of that
+        parameter would otherwise go on alone, and the others fail at the first step)."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for number, entry in state_dict["state"].items():
+            param = params[int(number)]
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and not _sliced(key, value, param) and value.numel() != 1:
+                    raise ReplicatorUsageError(
+                        f"state {key!r} of {self.synchronizer.name_of(param)} has shape {tuple(value.shape)}, neither "
+                        f"its parameter's {tuple(param.shape)} nor one element: shard={self.level!r} cannot cut it "
+                        "into slices. Load a state whose tensors are laid out as their parameters, whole (what "
+                        "optimizer.state_dict() gives, gathered from every replica)")
+        original({"state": {}, "param_groups": state_dict["param_groups"]})  # hyperparameters, checked by torch
         shard_number = {id(t): n for n, t in enumerate(t for g in self.shard.param_groups for t in g["params"])}
         state: dict[int, dict[str, Any]] = {}
         for number, entry in state_dict["state"].items():
