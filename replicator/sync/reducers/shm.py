@@ -215,18 +215,19 @@ class SharedMemorySum:
         """Can `all_gather_` run here: do all the replicas share this node?"""
         return self.across is None
 
-    def all_gather_(self, tensor: torch.Tensor, bounds: list[int]) -> None:
+    def all_gather_(self, tensor: torch.Tensor, bounds: list[int], arrival: PendingAgreement | None = None) -> None:
         """Replica i holds elements `bounds[i]:bounds[i + 1]` of `tensor`; afterwards every replica holds them all.
 
         Each replica writes its part into every replica's row of a staging segment, between two barriers (the
-        first: every replica is done with the segment's last use), then reads its own row.
+        first: every replica is done with the segment's last use), then reads its own row. `arrival`, a check
+        every replica made on reaching this call and that matched, takes the first barrier's place.
         """
         flat = tensor.view(-1)
         if flat.numel() == 0:
             return
         segment = self._staging_segment(flat.numel(), flat.dtype)
         mine = slice(bounds[self.position], bounds[self.position + 1])
-        self._barrier()
+        self._all_loaded(arrival)
         for peer in range(self.local_size):
             if peer != self.position:
                 segment.rows[peer, mine] = flat[mine]
@@ -236,6 +237,34 @@ class SharedMemorySum:
             if peer != self.position:
                 theirs = slice(bounds[peer], bounds[peer + 1])
                 flat[theirs] = own[theirs]
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor,
+                       arrival: PendingAgreement | None = None) -> None:
+        """`output` gets the sum over the replicas of slice i of their `tensor` (i: this replica's position; the
+        slices are as long as `output`). `arrival`, a check every replica made on reaching this call and that
+        matched, takes the first barrier's place.
+
+        Each replica writes its slice j into row j of a staging segment (its own place in that row), then, after
+        the barrier, sums the slices in its own row in replica order: the write of every peer's whole tensor
+        into every row, and the copy back of the whole sum, that `sum_` needs are saved. One node only.
+        """
+        flat, size = tensor.view(-1), output.numel()
+        if flat.numel() != size * self.local_size:
+            raise ValueError(f"reduce_scatter: {flat.numel()} elements do not cut into {self.local_size} slices of "
+                             f"{size}")
+        if size == 0:
+            return
+        segment = self._staging_segment(flat.numel(), flat.dtype)
+        self._all_loaded(arrival)  # every replica is done with the segment's last use
+        place = slice(self.position * size, (self.position + 1) * size)
+        for owner, part in enumerate(flat.view(self.local_size, size)):
+            segment.rows[owner, place] = part
+        self._barrier()
+        slices = segment.rows[self.position].view(self.local_size, size)
+        if self.local_size == 2:
+            torch.add(slices[0], slices[1], out=output.view(-1))
+        else:
+            torch.sum(slices, dim=0, out=output.view(-1))
 
     def sum_(self, tensor: torch.Tensor) -> None:
         self.sum_after(tensor, None)

@@ -1,0 +1,228 @@
+"""shard="parameters": FSDP2's all-gathers and reduce-scatters on replicator's collectives, each agreed on first.
+
+FSDP2 lets each sharded unit's collectives be replaced (`FSDPModule.set_custom_all_gather` and
+`set_custom_reduce_scatter`, with the `AllGather` / `ReduceScatter` classes of
+`torch.distributed.fsdp._fully_shard._fsdp_api`). torch 2.13 has them; torch 2.4, the oldest torch replicator
+supports, has not (its FSDP2 lived in `torch.distributed._composable.fsdp`, without these hooks). Where they are
+absent, FSDP2 keeps its own collectives and no agreement check runs inside it: `plug` returns False and changes
+nothing.
+
+Where they exist, every unit's all-gather (forward, and again in backward) and reduce-scatter (backward) first
+makes an agreement check among the replicas (replicator.comm.agreement) naming the unit and the collective, so
+a replica that took another path (a branch that skips a unit, a second forward on one replica) raises the same
+ReplicaMismatchError on every replica, naming each replica's unit and line, instead of handing Gloo buffers of
+different sizes (an abort, a hang, or a silently wrong sum when the sizes happen to agree). The collective then
+runs on the fastest transport that fits, the check standing in for its first barrier:
+
+- every replica on one node, on CPU: the shared-memory reducer's segments (`SharedMemorySum.reduce_scatter` and
+  `all_gather_`): a copy in and a sum or copy out, where Gloo emulates FSDP2's reduce-scatter with an all-reduce
+  of the whole tensor over TCP;
+- across nodes on Gloo: a ring of send/recv moving (N - 1)/N of the tensor (`sync/reducers/_ring.py`);
+- elsewhere (NCCL): the backend's own collectives, after the check.
+
+The sums are the same arithmetic as FSDP2's on Gloo at two replicas (a + b in either order, then / 2, exactly),
+so shard="parameters" stays bit for bit equal to plain FSDP2 there; with more replicas the slices are summed in
+replica order, Gloo's in its ring's, so the two agree to rounding (a few ulps of the sum), not bit for bit.
+Reductions other than a sum or an average (FSDP2's PREMUL_SUM, after `set_gradient_divide_factor`) go to the
+backend's own collective, after the check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from replicator.comm.agreement import Agreement, call_site
+from replicator.sync.reducers import _ring
+from replicator.sync.reducers.shm import SharedMemorySum, shared_memory_usable
+from replicator.topology import ProcessGroups
+
+try:  # the Comm API of FSDP2's custom collectives; absent from older torch (see the module docstring)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # pragma: no cover - depends on the installed torch
+    AllGather = ReduceScatter = None  # type: ignore[assignment, misc]
+
+__all__ = ["FsdpCollectives", "custom_collectives_available"]
+
+
+def custom_collectives_available() -> bool:
+    """Can FSDP2's collectives be replaced in this torch?"""
+    return AllGather is not None and hasattr(FSDPModule, "set_custom_reduce_scatter")
+
+
+class _Transport(Protocol):
+    """How one unit's collective moves its bytes once the replicas agreed on it (blocking)."""
+
+    name: str
+
+    def all_gather(self, output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup) -> None: ...
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None: ...
+
+
+class _SharedMemory:
+    """Through the node's /dev/shm (SharedMemorySum): the agreement check, already made, is the first barrier."""
+
+    name = "shm"
+
+    def __init__(self, shm: SharedMemorySum) -> None:
+        self.shm = shm
+        self.arrival: Any = None  # the check every replica just made (set by FsdpCollectives before each call)
+
+    def all_gather(self, output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup) -> None:
+        size = chunk.numel()
+        _place(output, chunk, self.shm.position)
+        self.shm.all_gather_(output, [size * k for k in range(self.shm.local_size + 1)], self.arrival)
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        self.shm.reduce_scatter(output, tensor, self.arrival)
+
+    def close(self) -> None:
+        self.shm.close()
+
+
+class _Group:
+    """Over the unit's process group: a send/recv ring on Gloo (its reduce-scatter is an all-reduce), else native."""
+
+    def __init__(self, gloo: bool) -> None:
+        self.gloo = gloo
+        self.name = "ring" if gloo else "native"
+        self.arrival: Any = None
+
+    def all_gather(self, output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup) -> None:
+        if self.gloo:
+            _place(output, chunk, group.rank())
+            _ring.all_gather_(output.view(-1), dist.get_process_group_ranks(group), group.rank(), group)
+        else:
+            dist.all_gather_into_tensor(output, chunk, group=group)
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        if self.gloo:  # in place in FSDP2's scratch input, which it drops afterwards
+            output.copy_(_ring.reduce_scatter_(tensor.view(-1), dist.get_process_group_ranks(group), group.rank(),
+                                               group))
+        else:
+            dist.reduce_scatter_tensor(output, tensor, op=dist.ReduceOp.SUM, group=group)
+
+    def close(self) -> None:
+        pass
+
+
+def _place(output: torch.Tensor, chunk: torch.Tensor, position: int) -> None:
+    """Put this replica's chunk in its place in `output`, unless FSDP2 built it there already (it does: a view)."""
+    place = output.view(-1)[position * chunk.numel() : (position + 1) * chunk.numel()]
+    if place.data_ptr() != chunk.data_ptr():
+        place.copy_(chunk.view(-1))
+
+
+def _is(op: Any, kind: Any) -> bool:
+    try:
+        return bool(op == kind)
+    except (TypeError, RuntimeError):  # a ReduceOp object that does not compare with a plain kind
+        return False
+
+
+class FsdpCollectives:
+    """The collectives that every sharded unit of one Replicator uses: one transport, one agreement channel."""
+
+    def __init__(self, agreement: Agreement, transport: _Transport) -> None:
+        self.agreement = agreement
+        self.transport = transport
+        self.checks = 0  # agreement checks made, for tests and reports
+
+    @classmethod
+    def build(cls, groups: ProcessGroups, device: torch.device, agreement: Agreement,
+              timeout_s: float) -> FsdpCollectives:
+        """Choose the transport for this job's replicas (collective: every replica calls it, at the same point)."""
+        assert groups.replica is not None
+        transport: _Transport
+        if shared_memory_usable(groups, device) is None:
+            transport = _SharedMemory(SharedMemorySum(groups, timeout_s))
+        else:
+            transport = _Group(dist.get_backend(groups.replica) == "gloo")
+        return cls(agreement, transport)
+
+    def plug(self, roots: Iterable[torch.nn.Module]) -> bool:
+        """Give every unit FSDP2 sharded in `roots` these collectives; False (nothing done) where torch cannot."""
+        if not custom_collectives_available():
+            return False
+        for root in roots:
+            for name, module in root.named_modules(prefix=type(root).__name__):
+                if isinstance(module, FSDPModule) and _holds_parameters(module):
+                    module.set_custom_all_gather(_UnitAllGather(self, name))
+                    module.set_custom_reduce_scatter(_UnitReduceScatter(self, name))
+        return True
+
+    def close(self) -> None:
+        self.transport.close()  # type: ignore[attr-defined]
+
+    def _agree(self, what: str, unit: str, numel: int, dtype: torch.dtype) -> None:
+        """Every replica is about to run the same collective of the same unit, or all of them raise, saying so."""
+        pending = self.agreement.start(f"FSDP2 {what} of {unit}: {numel} {str(dtype).removeprefix('torch.')} "
+                                       "elements per replica", call_site())
+        pending.wait()
+        self.checks += 1
+        self.transport.arrival = pending  # type: ignore[attr-defined]
+
+    def all_gather(self, unit: str, output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup) -> None:
+        self._agree("all-gather of the parameters", unit, chunk.numel(), chunk.dtype)
+        self.transport.all_gather(output, chunk, group)
+
+    def reduce_scatter(self, unit: str, output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup,
+                       op: Any) -> None:
+        self._agree("reduce-scatter of the gradients", unit, output.numel(), tensor.dtype)
+        average = _is(op, dist.ReduceOp.AVG)
+        if not average and not _is(op, dist.ReduceOp.SUM):  # PREMUL_SUM: the backend's own, after the check
+            dist.reduce_scatter_tensor(output, tensor, op=op, group=group)
+            return
+        self.transport.reduce_scatter(output, tensor, group)
+        if average:
+            output.div_(group.size())  # as Gloo's average: the sum, then a division (exact by 2)
+
+
+def _holds_parameters(module: FSDPModule) -> bool:
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch releases with one group per state
+        groups = [group for group in [getattr(state, "_fsdp_param_group", None)] if group is not None]
+    return len(groups) == 1
+
+
+def _allocate(size: Sequence[int | torch.SymInt], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(*size, dtype=dtype, device=device)
+
+
+if AllGather is not None:
+
+    class _UnitAllGather(AllGather):
+        """One unit's all-gather, agreed on first."""
+
+        def __init__(self, collectives: FsdpCollectives, unit: str) -> None:
+            self.collectives, self.unit = collectives, unit
+
+        def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+            return _allocate(size, dtype, device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                     async_op: bool = False) -> dist.Work | None:
+            self.collectives.all_gather(self.unit, output_tensor, input_tensor, group)
+            return None  # done: FSDP2 waits on nothing
+
+    class _UnitReduceScatter(ReduceScatter):
+        """One unit's reduce-scatter of its gradients, agreed on first."""
+
+        def __init__(self, collectives: FsdpCollectives, unit: str) -> None:
+            self.collectives, self.unit = collectives, unit
+
+        def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+            return _allocate(size, dtype, device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                     op: Any, async_op: bool = False) -> dist.Work | None:
+            self.collectives.reduce_scatter(self.unit, output_tensor, input_tensor, group, op)
+            return None
