@@ -150,7 +150,9 @@ class FsdpCollectives:
         if not custom_collectives_available():
             return False
         for root in roots:
-            for name, module in root.named_modules(prefix=type(root).__name__):
+            # Named as the scope names tensors: after the model's own class, not FSDP2's subclass of it (FSDPNet).
+            model_class = next(c for c in type(root).__mro__ if not issubclass(c, FSDPModule))
+            for name, module in root.named_modules(prefix=model_class.__name__):
                 if isinstance(module, FSDPModule) and _holds_parameters(module):
                     module.set_custom_all_gather(_UnitAllGather(self, name))
                     module.set_custom_reduce_scatter(_UnitReduceScatter(self, name))
