@@ -12,13 +12,15 @@ makes an agreement check among the replicas (replicator.comm.agreement) naming t
 a replica that took another path (a branch that skips a unit, a second forward on one replica) raises the same
 ReplicaMismatchError on every replica, naming each replica's unit and line, instead of handing Gloo buffers of
 different sizes (an abort, a hang, or a silently wrong sum when the sizes happen to agree). The collective then
-runs on the fastest transport that fits, the check standing in for its first barrier:
+runs on the fastest transport that fits:
 
-- every replica on one node, on CPU: the shared-memory reducer's segments (`SharedMemorySum.reduce_scatter` and
-  `all_gather_`): a copy in and a sum or copy out, where Gloo emulates FSDP2's reduce-scatter with an all-reduce
-  of the whole tensor over TCP;
-- across nodes on Gloo: a ring of send/recv moving (N - 1)/N of the tensor (`sync/reducers/_ring.py`);
-- elsewhere (NCCL): the backend's own collectives, after the check.
+- every replica on one node, on CPU: shared memory (the shm reducer's segments), where the check is the only
+  exchange of messages: each replica copies its part in before the check and reads the others' after it
+  (`_SharedMemory` says why two areas used in turns make that safe). Gloo, FSDP2's own, emulates the
+  reduce-scatter with an all-reduce of the whole tensor over TCP;
+- across nodes on Gloo: after the check, a ring of send/recv moving (N - 1)/N of the tensor
+  (`sync/reducers/_ring.py`);
+- elsewhere (NCCL): after the check, the backend's own collectives.
 
 The sums are the same arithmetic as FSDP2's on Gloo at two replicas (a + b in either order, then / 2, exactly),
 so shard="parameters" stays bit for bit equal to plain FSDP2 there; with more replicas the slices are summed in
@@ -29,14 +31,14 @@ backend's own collective, after the check.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from replicator.comm.agreement import Agreement, call_site
+from replicator.comm.agreement import Agreement, PendingAgreement, call_site
 from replicator.sync.reducers import _ring
 from replicator.sync.reducers.shm import SharedMemorySum, shared_memory_usable
 from replicator.topology import ProcessGroups
@@ -55,31 +57,81 @@ def custom_collectives_available() -> bool:
 
 
 class _Transport(Protocol):
-    """How one unit's collective moves its bytes once the replicas agreed on it (blocking)."""
+    """How one unit's collective moves its bytes (blocking). `agree()` makes the replicas' check: each transport
+    calls it before anything that could wait for a peer, so a mismatch raises instead of leaving one waiting."""
 
     name: str
 
-    def all_gather(self, output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup) -> None: ...
+    def all_gather(self, output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup,
+                   agree: Callable[[], PendingAgreement]) -> None: ...
 
-    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None: ...
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup,
+                       agree: Callable[[], PendingAgreement]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class _SharedMemory:
-    """Through the node's /dev/shm (SharedMemorySum): the agreement check, already made, is the first barrier."""
+    """Through the node's /dev/shm, one exchange of messages per collective: the agreement check itself.
+
+    Two areas of `2 x replicas` rows each, used in turns (collective k uses area k mod 2). A replica writes its
+    part into the area before it makes the check; once every replica has made it (so every part is written), it
+    reads what it needs. Nobody writes into an area while a peer may still read it: the next write into area
+    k mod 2 is collective k + 2's, made by a replica that has passed check k + 1, which every peer makes only
+    once it has read what it needed of collective k. A collective that does not fit the areas (its unit is
+    larger than any when they were sized, or of another dtype) is agreed on first, then runs on the reducer's
+    own segments (two barriers, one of them the check).
+    """
 
     name = "shm"
 
     def __init__(self, shm: SharedMemorySum) -> None:
         self.shm = shm
-        self.arrival: Any = None  # the check every replica just made (set by FsdpCollectives before each call)
+        self.size, self.position = shm.local_size, shm.position
+        self.areas: torch.Tensor | None = None  # (2, replicas, elements)
+        self.collectives = 0  # how many ran: whose turn each area is
 
-    def all_gather(self, output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup) -> None:
-        size = chunk.numel()
-        _place(output, chunk, self.shm.position)
-        self.shm.all_gather_(output, [size * k for k in range(self.shm.local_size + 1)], self.arrival)
+    def reserve(self, numel: int, dtype: torch.dtype) -> None:
+        """Size the areas for collectives of up to `numel` elements of `dtype` (collective: every replica, together)."""
+        if self.areas is not None and self.areas.dtype == dtype and self.areas.shape[2] >= numel:
+            return
+        self.areas = self.shm.shared_rows("fsdp", 2 * self.size, numel, dtype).view(2, self.size, numel)
 
-    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-        self.shm.reduce_scatter(output, tensor, self.arrival)
+    def _area(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        turn, self.collectives = self.collectives % 2, self.collectives + 1
+        if self.areas is None or self.areas.dtype != dtype or self.areas.shape[2] < numel:
+            return None
+        return self.areas[turn, :, :numel]
+
+    def all_gather(self, output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup,
+                   agree: Callable[[], PendingAgreement]) -> None:
+        flat, size = output.view(-1), chunk.numel()
+        area = self._area(flat.numel(), flat.dtype)
+        if area is None:
+            _place(output, chunk, self.position)
+            self.shm.all_gather_(output, [size * k for k in range(self.size + 1)], agree())
+            return
+        _place(output, chunk, self.position)
+        area[0, self.position * size : (self.position + 1) * size] = chunk.view(-1)  # one row: each its own place
+        agree()
+        for peer in range(self.size):
+            if peer != self.position:
+                flat[peer * size : (peer + 1) * size] = area[0, peer * size : (peer + 1) * size]
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup,
+                       agree: Callable[[], PendingAgreement]) -> None:
+        flat, size = tensor.view(-1), output.numel()
+        area = self._area(flat.numel(), flat.dtype)
+        if area is None:
+            self.shm.reduce_scatter(output, tensor, agree())
+            return
+        area[self.position] = flat  # a row each: the whole tensor
+        agree()
+        slices = area[:, self.position * size : (self.position + 1) * size]
+        if self.size == 2:  # replica order, as the reducer's own sum
+            torch.add(slices[0], slices[1], out=output.view(-1))
+        else:
+            torch.sum(slices, dim=0, out=output.view(-1))
 
     def close(self) -> None:
         self.shm.close()
@@ -91,16 +143,19 @@ class _Group:
     def __init__(self, gloo: bool) -> None:
         self.gloo = gloo
         self.name = "ring" if gloo else "native"
-        self.arrival: Any = None
 
-    def all_gather(self, output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup) -> None:
+    def all_gather(self, output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup,
+                   agree: Callable[[], PendingAgreement]) -> None:
+        agree()
         if self.gloo:
             _place(output, chunk, group.rank())
             _ring.all_gather_(output.view(-1), dist.get_process_group_ranks(group), group.rank(), group)
         else:
             dist.all_gather_into_tensor(output, chunk, group=group)
 
-    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup,
+                       agree: Callable[[], PendingAgreement]) -> None:
+        agree()
         if self.gloo:  # in place in FSDP2's scratch input, which it drops afterwards
             output.copy_(_ring.reduce_scatter_(tensor.view(-1), dist.get_process_group_ranks(group), group.rank(),
                                                group))
@@ -146,9 +201,11 @@ class FsdpCollectives:
         return cls(agreement, transport)
 
     def plug(self, roots: Iterable[torch.nn.Module]) -> bool:
-        """Give every unit FSDP2 sharded in `roots` these collectives; False (nothing done) where torch cannot."""
+        """Give every unit FSDP2 sharded in `roots` these collectives; False (nothing done) where torch cannot.
+        Collective: every replica plugs the same units at the same point (the end of a repl.scope() block)."""
         if not custom_collectives_available():
             return False
+        largest: dict[torch.dtype, int] = {}
         for root in roots:
             # Named as the scope names tensors: after the model's own class, not FSDP2's subclass of it (FSDPNet).
             model_class = next(c for c in type(root).__mro__ if not issubclass(c, FSDPModule))
@@ -156,33 +213,60 @@ class FsdpCollectives:
                 if isinstance(module, FSDPModule) and _holds_parameters(module):
                     module.set_custom_all_gather(_UnitAllGather(self, name))
                     module.set_custom_reduce_scatter(_UnitReduceScatter(self, name))
+                    for dtype, numel in _gathered_elements(module, self.agreement.size).items():  # type: ignore[arg-type]
+                        largest[dtype] = max(largest.get(dtype, 0), numel)
+        reserve = getattr(self.transport, "reserve", None)
+        if reserve is not None and len(largest) == 1:  # (units of mixed dtypes gather bytes: the slower path)
+            [(dtype, numel)] = largest.items()
+            reserve(numel, dtype)
         return True
 
     def close(self) -> None:
-        self.transport.close()  # type: ignore[attr-defined]
+        self.transport.close()
 
-    def _agree(self, what: str, unit: str, numel: int, dtype: torch.dtype) -> None:
-        """Every replica is about to run the same collective of the same unit, or all of them raise, saying so."""
-        pending = self.agreement.start(f"FSDP2 {what} of {unit}: {numel} {str(dtype).removeprefix('torch.')} "
-                                       "elements per replica", call_site())
-        pending.wait()
-        self.checks += 1
-        self.transport.arrival = pending  # type: ignore[attr-defined]
+    def _agree(self, what: str, unit: str, numel: int, dtype: torch.dtype) -> Callable[[], PendingAgreement]:
+        """The check that every replica is about to run the same collective of the same unit (or all of them raise,
+        saying which each runs), for the transport to make when it suits it."""
+
+        def agree() -> PendingAgreement:
+            pending = self.agreement.start(f"FSDP2 {what} of {unit}: {numel} {str(dtype).removeprefix('torch.')} "
+                                           "elements per replica", call_site())
+            pending.wait()
+            self.checks += 1
+            return pending
+
+        return agree
 
     def all_gather(self, unit: str, output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup) -> None:
-        self._agree("all-gather of the parameters", unit, chunk.numel(), chunk.dtype)
-        self.transport.all_gather(output, chunk, group)
+        self.transport.all_gather(output, chunk, group,
+                                  self._agree("all-gather of the parameters", unit, chunk.numel(), chunk.dtype))
 
     def reduce_scatter(self, unit: str, output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup,
                        op: Any) -> None:
-        self._agree("reduce-scatter of the gradients", unit, output.numel(), tensor.dtype)
+        agree = self._agree("reduce-scatter of the gradients", unit, output.numel(), tensor.dtype)
         average = _is(op, dist.ReduceOp.AVG)
         if not average and not _is(op, dist.ReduceOp.SUM):  # PREMUL_SUM: the backend's own, after the check
+            agree()
             dist.reduce_scatter_tensor(output, tensor, op=op, group=group)
             return
-        self.transport.reduce_scatter(output, tensor, group)
+        self.transport.reduce_scatter(output, tensor, group, agree)
         if average:
             output.div_(group.size())  # as Gloo's average: the sum, then a division (exact by 2)
+
+
+def _gathered_elements(unit: torch.nn.Module, replicas: int) -> dict[torch.dtype, int]:
+    """What an all-gather of `unit` holds, by dtype: its own parameters (not its inner units'), each cut along
+    dimension 0 into `replicas` shards of equal rows (FSDP2 pads the last). An estimate: a collective that turns
+    out larger takes the slower path, no less correct."""
+    inner = {id(p) for module in unit.modules() if module is not unit and isinstance(module, FSDPModule)
+             for p in module.parameters()}
+    elements: dict[torch.dtype, int] = {}
+    for param in unit.parameters():
+        if id(param) not in inner:
+            rows = param.shape[0] if param.dim() else 1  # the DTensor's shape: the whole parameter's
+            per_row = param.numel() // rows if rows else 0
+            elements[param.dtype] = elements.get(param.dtype, 0) + -(-rows // replicas) * replicas * per_row
+    return elements
 
 
 def _holds_parameters(module: FSDPModule) -> bool:

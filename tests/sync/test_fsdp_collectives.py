@@ -35,14 +35,19 @@ from replicator.testing import run_replicas
 COLLECTIVES_PER_STEP = 4 + 3 + 4
 
 
-def train(kind: str, with_fsdp2: bool) -> dict[str, Any]:
+def train(kind: str, with_fsdp2: bool, reserved: bool) -> dict[str, Any]:
     """Inside a replica: shard="parameters" for STEPS steps; what it ended with, what carried its collectives, and
-    (`with_fsdp2`) what plain FSDP2 ends with in the same processes."""
+    (`with_fsdp2`) what plain FSDP2 ends with in the same processes. Without `reserved`, the shared-memory
+    transport's areas are dropped: every collective takes the path of one larger than any unit at sharding time."""
     repl = rp.Replicator(shard="parameters")
     with repl.scope():
         torch.manual_seed(0)
         model = Net()
         optimizer = repl.wrap_optimizer(make_optimizer(kind, model.parameters()))
+    collectives = repl.models.collectives
+    assert collectives is not None
+    if not reserved:
+        collectives.transport.areas = None  # type: ignore[attr-defined]
 
     def step_fn(ctx: rp.ReplicaContext, batch: Any) -> None:
         x, y = batch
@@ -53,22 +58,21 @@ def train(kind: str, with_fsdp2: bool) -> dict[str, Any]:
     batches = [my_batch(step, repl.replica_id, repl.num_replicas) for step in range(STEPS)]
     for _ in repl.run(step_fn, batches, record=False):
         pass
-    collectives = repl.models.collectives
-    assert collectives is not None
     result = {"params": [whole(p) for p in model.parameters()], "transport": collectives.transport.name,
               "checks": collectives.checks, "fsdp2": plain_fsdp2(kind, "plain") if with_fsdp2 else None}
     repl.close()
     return result
 
 
-def train_both(with_fsdp2: bool) -> dict[str, Any]:
-    return {kind: train(kind, with_fsdp2) for kind in ("sgd", "adamw")}
+def train_both(with_fsdp2: bool, reserved: bool) -> dict[str, Any]:
+    return {kind: train(kind, with_fsdp2, reserved) for kind in ("sgd", "adamw")}
 
 
-@pytest.mark.parametrize(("replicas", "per_node", "transport"), [(3, 3, "shm"), (3, 1, "ring"), (2, 1, "ring")])
+@pytest.mark.parametrize(("replicas", "per_node", "transport", "reserved"),
+                         [(3, 3, "shm", True), (2, 2, "shm", False), (3, 1, "ring", True), (2, 1, "ring", True)])
 def test_sharded_units_on_our_collectives_match_one_process_and_fsdp2(replicas: int, per_node: int,
-                                                                      transport: str) -> None:
-    results = run_replicas(train_both, replicas, replicas == 2, timeout_s=300, local_world_size=per_node)
+                                                                      transport: str, reserved: bool) -> None:
+    results = run_replicas(train_both, replicas, replicas == 2, reserved, timeout_s=300, local_world_size=per_node)
     for kind in ("sgd", "adamw"):
         expected = reference(kind, "plain")
         for replica, by_kind in enumerate(results):

@@ -135,6 +135,7 @@ class SharedMemorySum:
         self._staged_segments = 0
         self._owned: dict[int, _Segment] = {}  # allocated buckets, by their row's address
         self._unnamed: list[str] = []  # mapped here, perhaps not yet by every peer
+        self._shared: dict[str, _Segment] = {}  # shared_rows' segments, by their caller's key
 
     def _require_one_shared_memory(self, groups: ProcessGroups, neighbours: list[int], token: int) -> None:
         """Raise on every process unless the replicas the topology puts on one node also see one
@@ -195,6 +196,17 @@ class SharedMemorySum:
             except FileNotFoundError:
                 pass  # a peer removed it first
         self._unnamed.clear()
+
+    def shared_rows(self, key: str, rows: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """`rows` x `numel` zeroed elements that every replica of the node maps, for a protocol of the caller's own;
+        they replace those it asked for under `key` before. Collective: every replica of the node asks for the same
+        in the same order, and this returns once all have mapped it."""
+        path = f"{self.path_prefix}-{key}{self._staged_segments}"
+        self._staged_segments += 1
+        self._shared[key] = segment = _Segment(path, rows, numel, dtype)
+        self._unnamed.append(path)
+        self.settle()
+        return segment.rows
 
     def _staging_segment(self, numel: int, dtype: torch.dtype) -> _Segment | _Rows:
         """Where a tensor that is no allocated bucket is summed: the first `numel` columns of one segment per dtype,
