@@ -74,11 +74,12 @@ class _Transport(Protocol):
 class _SharedMemory:
     """Through the node's /dev/shm, one exchange of messages per collective: the agreement check itself.
 
-    Two areas of `2 x replicas` rows each, used in turns (collective k uses area k mod 2). A replica writes its
-    part into the area before it makes the check; once every replica has made it (so every part is written), it
-    reads what it needs. Nobody writes into an area while a peer may still read it: the next write into area
-    k mod 2 is collective k + 2's, made by a replica that has passed check k + 1, which every peer makes only
-    once it has read what it needed of collective k. A collective that does not fit the areas (its unit is
+    Two areas of one row per replica, each row as long as the largest unit gathered, used in turns (collective k
+    uses area k mod 2): shared memory of twice the largest unit per replica, beside FSDP2's own buffers. A replica
+    writes its part into the area before it makes the check; once every replica has made it (so every part is
+    written), it reads what it needs. Nobody writes into an area while a peer may still read it: the next write
+    into area k mod 2 is collective k + 2's, made by a replica that has passed check k + 1, which every peer makes
+    only once it has read what it needed of collective k. A collective that does not fit the areas (its unit is
     larger than any when they were sized, or of another dtype) is agreed on first, then runs on the reducer's
     own segments (two barriers, one of them the check).
     """
