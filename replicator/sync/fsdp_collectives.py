@@ -22,9 +22,10 @@ runs on the fastest transport that fits:
   (`sync/reducers/_ring.py`);
 - elsewhere (NCCL): after the check, the backend's own collectives.
 
-The sums are the same arithmetic as FSDP2's on Gloo at two replicas (a + b in either order, then / 2, exactly),
-so shard="parameters" stays bit for bit equal to plain FSDP2 there; with more replicas the slices are summed in
-replica order, Gloo's in its ring's, so the two agree to rounding (a few ulps of the sum), not bit for bit.
+An all-gather only copies. A reduce-scatter's sum through shared memory adds the replicas' slices in the order
+Gloo's ring all-reduce does (`sum_in_ring_order`), then divides by N as Gloo's average does, so shard="parameters"
+stays bit for bit equal to plain FSDP2 on Gloo (tested at 2, 3 and 4 replicas). The send/recv ring adds them the
+other way round, the same bits up to three replicas (the first two terms swap), within rounding beyond.
 Reductions other than a sum or an average (FSDP2's PREMUL_SUM, after `set_gradient_divide_factor`) go to the
 backend's own collective, after the check.
 """
@@ -40,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from replicator.comm.agreement import Agreement, PendingAgreement, call_site
 from replicator.sync.reducers import _ring
-from replicator.sync.reducers.shm import SharedMemorySum, shared_memory_usable
+from replicator.sync.reducers.shm import SharedMemorySum, shared_memory_usable, sum_in_ring_order
 from replicator.topology import ProcessGroups
 
 try:  # the Comm API of FSDP2's custom collectives; absent from older torch (see the module docstring)
@@ -128,11 +129,7 @@ class _SharedMemory:
             return
         area[self.position] = flat  # a row each: the whole tensor
         agree()
-        slices = area[:, self.position * size : (self.position + 1) * size]
-        if self.size == 2:  # replica order, as the reducer's own sum
-            torch.add(slices[0], slices[1], out=output.view(-1))
-        else:
-            torch.sum(slices, dim=0, out=output.view(-1))
+        sum_in_ring_order(area[:, self.position * size : (self.position + 1) * size], self.position, output.view(-1))
 
     def close(self) -> None:
         self.shm.close()
@@ -252,7 +249,7 @@ class FsdpCollectives:
             return
         self.transport.reduce_scatter(output, tensor, group, agree)
         if average:
-            output.div_(group.size())  # as Gloo's average: the sum, then a division (exact by 2)
+            output.div_(group.size())  # as Gloo's average: the sum, then a division
 
 
 def _gathered_elements(unit: torch.nn.Module, replicas: int) -> dict[torch.dtype, int]:

@@ -1,11 +1,13 @@
 """shard="parameters" on replicator's own collectives: FSDP2's all-gathers and reduce-scatters through shared memory
 (one node) or a Gloo ring (across nodes), each agreed on by the replicas first.
 
-Equivalence: at two replicas a sum of two terms has one rounding whatever the order, and the average divides it by
-two exactly, so every transport gives plain FSDP2's bits (checked here on the ring; the shared-memory transport is
-checked against FSDP2 by tests/sync/test_shard_parameters.py). At three replicas (uneven slices: FSDP2 pads dimension 0
-to a multiple of 3) the three terms are summed in replica order where Gloo's all-reduce takes its own, so the
-comparison is with one process, within the rounding bound that test derives (ONE_PROCESS_ATOL, under 1e-6).
+Equivalence with plain FSDP2 on Gloo, bit for bit: an all-gather only copies, and a reduce-scatter's sum is the same
+arithmetic when its terms are added in the same order. At two replicas any order gives the same bits (one
+rounding), and the average halves the sum exactly. At three and four, the shared-memory sum adds the replicas'
+slices in the order Gloo's ring all-reduce does (replicator.sync.reducers.shm.sum_in_ring_order); the send/recv
+ring adds them the other way round its ring, which at three replicas is the same sum (its first two terms swap).
+Against one process the batch is summed in another order: within the rounding bound test_shard_parameters.py
+derives (ONE_PROCESS_ATOL, under 1e-6). Three replicas also make the shards uneven (FSDP2 pads dimension 0).
 """
 
 from __future__ import annotations
@@ -69,10 +71,12 @@ def train_both(with_fsdp2: bool, reserved: bool) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("replicas", "per_node", "transport", "reserved"),
-                         [(3, 3, "shm", True), (2, 2, "shm", False), (3, 1, "ring", True), (2, 1, "ring", True)])
-def test_sharded_units_on_our_collectives_match_one_process_and_fsdp2(replicas: int, per_node: int,
-                                                                      transport: str, reserved: bool) -> None:
-    results = run_replicas(train_both, replicas, replicas == 2, reserved, timeout_s=300, local_world_size=per_node)
+                         [(3, 3, "shm", True), (4, 4, "shm", True), (3, 3, "shm", False), (3, 1, "ring", True),
+                          (2, 1, "ring", True)])
+def test_sharded_units_on_our_collectives_match_fsdp2_bit_for_bit_and_one_process(replicas: int, per_node: int,
+                                                                                  transport: str,
+                                                                                  reserved: bool) -> None:
+    results = run_replicas(train_both, replicas, True, reserved, timeout_s=300, local_world_size=per_node)
     for kind in ("sgd", "adamw"):
         expected = reference(kind, "plain")
         for replica, by_kind in enumerate(results):
@@ -81,8 +85,7 @@ def test_sharded_units_on_our_collectives_match_one_process_and_fsdp2(replicas: 
             assert got["checks"] == STEPS * COLLECTIVES_PER_STEP, where  # every collective was ours, and agreed
             for a, b in zip(got["params"], expected, strict=True):
                 assert torch.allclose(a, b, atol=ONE_PROCESS_ATOL, rtol=0), f"{where}: {(a - b).abs().max()}"
-            if replicas == 2:  # two terms: one rounding in any order, then an exact halving
-                assert all(torch.equal(a, b) for a, b in zip(got["params"], got["fsdp2"], strict=True)), where
+            assert all(torch.equal(a, b) for a, b in zip(got["params"], got["fsdp2"], strict=True)), where
 
 
 class Branching(Net):
