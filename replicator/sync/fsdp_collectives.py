@@ -37,24 +37,28 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from replicator.comm.agreement import Agreement, PendingAgreement, call_site
 from replicator.sync.reducers import _ring
 from replicator.sync.reducers.shm import SharedMemorySum, shared_memory_usable, sum_in_ring_order
 from replicator.topology import ProcessGroups
 
-try:  # the Comm API of FSDP2's custom collectives; absent from older torch (see the module docstring)
+try:  # FSDP2 and the Comm API of its custom collectives; absent from older torch (see the module docstring)
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 except ImportError:  # pragma: no cover - depends on the installed torch
-    AllGather = ReduceScatter = None  # type: ignore[assignment, misc]
+    FSDPModule = AllGather = ReduceScatter = None  # type: ignore[assignment, misc]
 
 __all__ = ["FsdpCollectives", "custom_collectives_available"]
+
+# torch 2.13 renamed these (the old names warn); the project supports torch >= 2.4.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def custom_collectives_available() -> bool:
     """Can FSDP2's collectives be replaced in this torch?"""
-    return AllGather is not None and hasattr(FSDPModule, "set_custom_reduce_scatter")
+    return FSDPModule is not None and AllGather is not None and hasattr(FSDPModule, "set_custom_reduce_scatter")
 
 
 class _Transport(Protocol):
@@ -149,7 +153,7 @@ class _Group:
             _place(output, chunk, group.rank())
             _ring.all_gather_(output.view(-1), dist.get_process_group_ranks(group), group.rank(), group)
         else:
-            dist.all_gather_into_tensor(output, chunk, group=group)
+            _all_gather_single(output, chunk, group=group)
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup,
                        agree: Callable[[], PendingAgreement]) -> None:
@@ -158,7 +162,7 @@ class _Group:
             output.copy_(_ring.reduce_scatter_(tensor.view(-1), dist.get_process_group_ranks(group), group.rank(),
                                                group))
         else:
-            dist.reduce_scatter_tensor(output, tensor, op=dist.ReduceOp.SUM, group=group)
+            _reduce_scatter_single(output, tensor, op=dist.ReduceOp.SUM, group=group)
 
     def close(self) -> None:
         pass
@@ -245,7 +249,7 @@ class FsdpCollectives:
         average = _is(op, dist.ReduceOp.AVG)
         if not average and not _is(op, dist.ReduceOp.SUM):  # PREMUL_SUM: the backend's own, after the check
             agree()
-            dist.reduce_scatter_tensor(output, tensor, op=op, group=group)
+            _reduce_scatter_single(output, tensor, op=op, group=group)
             return
         self.transport.reduce_scatter(output, tensor, group, agree)
         if average:

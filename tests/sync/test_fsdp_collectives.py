@@ -29,6 +29,7 @@ from test_shard_parameters import (
 )
 
 import replicator as rp
+from replicator.sync.fsdp_collectives import _Group
 from replicator.testing import run_replicas
 
 # Collectives per step of Net's four units (embed, hidden, head and the root, which holds `scale`): an all-gather
@@ -37,10 +38,11 @@ from replicator.testing import run_replicas
 COLLECTIVES_PER_STEP = 4 + 3 + 4
 
 
-def train(kind: str, with_fsdp2: bool, reserved: bool) -> dict[str, Any]:
+def train(kind: str, with_fsdp2: bool, variant: str) -> dict[str, Any]:
     """Inside a replica: shard="parameters" for STEPS steps; what it ended with, what carried its collectives, and
-    (`with_fsdp2`) what plain FSDP2 ends with in the same processes. Without `reserved`, the shared-memory
-    transport's areas are dropped: every collective takes the path of one larger than any unit at sharding time."""
+    (`with_fsdp2`) what plain FSDP2 ends with in the same processes. `variant` "unreserved" drops the
+    shared-memory transport's areas (every collective takes the path of one larger than any unit at sharding
+    time); "native" runs the backend's own collectives after each check (what NCCL gets), here Gloo's."""
     repl = rp.Replicator(shard="parameters")
     with repl.scope():
         torch.manual_seed(0)
@@ -48,8 +50,11 @@ def train(kind: str, with_fsdp2: bool, reserved: bool) -> dict[str, Any]:
         optimizer = repl.wrap_optimizer(make_optimizer(kind, model.parameters()))
     collectives = repl.models.collectives
     assert collectives is not None
-    if not reserved:
+    if variant == "unreserved":
         collectives.transport.areas = None  # type: ignore[attr-defined]
+    if variant == "native":
+        collectives.close()
+        collectives.transport = _Group(gloo=False)
 
     def step_fn(ctx: rp.ReplicaContext, batch: Any) -> None:
         x, y = batch
@@ -66,17 +71,17 @@ def train(kind: str, with_fsdp2: bool, reserved: bool) -> dict[str, Any]:
     return result
 
 
-def train_both(with_fsdp2: bool, reserved: bool) -> dict[str, Any]:
-    return {kind: train(kind, with_fsdp2, reserved) for kind in ("sgd", "adamw")}
+def train_both(with_fsdp2: bool, variant: str) -> dict[str, Any]:
+    return {kind: train(kind, with_fsdp2, variant) for kind in ("sgd", "adamw")}
 
 
-@pytest.mark.parametrize(("replicas", "per_node", "transport", "reserved"),
-                         [(3, 3, "shm", True), (4, 4, "shm", True), (3, 3, "shm", False), (3, 1, "ring", True),
-                          (2, 1, "ring", True)])
+@pytest.mark.parametrize(("replicas", "per_node", "transport", "variant"),
+                         [(3, 3, "shm", "default"), (4, 4, "shm", "default"), (3, 3, "shm", "unreserved"),
+                          (3, 1, "ring", "default"), (2, 1, "ring", "default"), (2, 2, "native", "native")])
 def test_sharded_units_on_our_collectives_match_fsdp2_bit_for_bit_and_one_process(replicas: int, per_node: int,
                                                                                   transport: str,
-                                                                                  reserved: bool) -> None:
-    results = run_replicas(train_both, replicas, True, reserved, timeout_s=300, local_world_size=per_node)
+                                                                                  variant: str) -> None:
+    results = run_replicas(train_both, replicas, True, variant, timeout_s=300, local_world_size=per_node)
     for kind in ("sgd", "adamw"):
         expected = reference(kind, "plain")
         for replica, by_kind in enumerate(results):
