@@ -199,7 +199,8 @@ class FsdpCollectives:
         if shared_memory_usable(groups, device) is None:
             transport = _SharedMemory(SharedMemorySum(groups, timeout_s))
         else:
-            transport = _Group(dist.get_backend(groups.replica) == "gloo")
+            # The ring's send/recv on host tensors only: Gloo's own collectives carry CUDA tensors where it has them.
+            transport = _Group(dist.get_backend(groups.replica) == "gloo" and device.type == "cpu")
         return cls(agreement, transport)
 
     def plug(self, roots: Iterable[torch.nn.Module]) -> bool:
