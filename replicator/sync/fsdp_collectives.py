@@ -2,10 +2,10 @@
 
 FSDP2 lets each sharded unit's collectives be replaced (`FSDPModule.set_custom_all_gather` and
 `set_custom_reduce_scatter`, with the `AllGather` / `ReduceScatter` classes of
-`torch.distributed.fsdp._fully_shard._fsdp_api`). torch 2.13 has them; torch 2.4, the oldest torch replicator
-supports, has not (its FSDP2 lived in `torch.distributed._composable.fsdp`, without these hooks). Where they are
-absent, FSDP2 keeps its own collectives and no agreement check runs inside it: `plug` returns False and changes
-nothing.
+`torch.distributed.fsdp._fully_shard._fsdp_api`), added to torch in mid-2025 (pytorch pull request 155189).
+torch 2.13 has them; torch 2.4, the oldest torch replicator supports, has not (its FSDP2 lived in
+`torch.distributed._composable.fsdp`, without these hooks). Where they are absent, FSDP2 keeps its own
+collectives and no agreement check runs inside it: `plug` returns False and changes nothing.
 
 Where they exist, every unit's all-gather (forward, and again in backward) and reduce-scatter (backward) first
 makes an agreement check among the replicas (replicator.comm.agreement) naming the unit and the collective, so
