@@ -99,7 +99,7 @@ class Replicator:
         synced = self.mode.synced(job, reducer, uneven_batches)  # DiLoCo averages inside a sync group
         self.reducer = make_reducer(self.mode.reducer(reducer), synced, timeout_s=job.timeout_s, device=self.device)
         job.close_with(self.reducer)
-        models = self.models = ModelScope(self.groups, self.device, job.replica_agreement, shard)
+        models = self.models = ModelScope(self.groups, self.device, job.replica_agreement, shard, job)
         self.optimizers = SyncedOptimizers(adopt=self.models.adopt,
             context=self.context, group=synced.replica, agreement=job.replica_agreement,
             reducer=self.reducer, bucket_cap_bytes=int(bucket_cap_mb * (1 << 20)), nonfinite=nonfinite,

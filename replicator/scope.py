@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.modules import module as module_hooks
@@ -14,7 +14,11 @@ from replicator.comm.agreement import Agreement
 from replicator.errors import ReplicatorUsageError
 from replicator.identity import broadcast_from_first, require_same_layout
 from replicator.sync.fsdp import ShardPolicy, is_sharded, shard_modules
+from replicator.sync.fsdp_collectives import FsdpCollectives, custom_collectives_available
 from replicator.topology import Mesh, ProcessGroups
+
+if TYPE_CHECKING:
+    from replicator.job import Job
 
 __all__ = ["ModelScope"]
 
@@ -58,9 +62,11 @@ class ModelScope:
     """The modules built in `repl.scope()` blocks, with their tensors' names for error messages."""
 
     def __init__(self, groups: ProcessGroups, device: torch.device, agreement: Agreement,
-                 shard: str | None = None) -> None:
+                 shard: str | None = None, job: Job | None = None) -> None:
         self.groups = groups
         self.shard = shard  # "parameters": the block's modules are sharded with FSDP2 when it ends
+        self.job = job  # its timeout, and its close() for the sharded units' collectives
+        self.collectives: FsdpCollectives | None = None  # built when the first block is sharded
         self.agreement = agreement  # among this stage's replicas, who build and copy the same model
         self.mesh: Mesh = groups.mesh
         self.device = device
@@ -114,7 +120,18 @@ class ModelScope:
             for old, new in successors.items():  # the sharded parameters keep the names errors give
                 if old in self.tensor_names:
                     self.tensor_names[id(new)] = self.tensor_names[old]
+            self._plug_collectives(block.roots())
             sharded(successors)
+
+    def _plug_collectives(self, roots: list[torch.nn.Module]) -> None:
+        """shard="parameters": the units' all-gathers and reduce-scatters on replicator's collectives, each agreed on
+        by the replicas first (replicator.sync.fsdp_collectives); FSDP2's own where torch cannot replace them."""
+        if self.job is None or not custom_collectives_available():
+            return
+        if self.collectives is None:  # every replica shards its first block at the same point: build it together
+            self.collectives = FsdpCollectives.build(self.groups, self.device, self.agreement, self.job.timeout_s)
+            self.job.close_with(self.collectives)
+        self.collectives.plug(roots)
 
     def keep_stage(self, layers: torch.nn.Module | Iterable[torch.nn.Module], stage: torch.nn.Module) -> None:
         """Forget every module of `layers` outside `stage`, and every module holding one, once a pipeline is cut.
