@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from replicator._torch_names import DTensor
 from replicator.checkpoint.errors import CheckpointMismatchError
 from replicator.checkpoint.safe_load import Index
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor
 
+from replicator._torch_names import DTensor
 from replicator.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from replicator.checkpoint.layout import Layout
 from replicator.checkpoint.optimizer_check import check_entry
