@@ -33,7 +33,7 @@ from torch.distributed.fsdp import fully_shard
 from replicator.comm.agreement import Agreement
 from replicator.errors import ReplicatorUsageError
 from replicator.identity import require_same_layout
-from replicator.pipeline.materialize import is_meta
+from replicator.pipeline.materialize import give_storage, is_meta
 from replicator.sync.fsdp import ShardPolicy, child_units, is_sharded
 
 __all__ = ["build_sharded", "is_meta"]
@@ -90,7 +90,7 @@ class _Builder:
         self.seen.add(id(module))
         for child in module.children():
             self.visit(child)
-        _give_values(module, self.device)
+        give_storage(module, self.device)
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
             reset()
@@ -127,23 +127,6 @@ class _Builder:
             # its storage goes now (the object stays, on meta, so that it can be recognised and replaced).
             torch.utils.swap_tensors(param, torch.nn.Parameter(torch.empty_like(param, device="meta"),
                                                                requires_grad=param.requires_grad))
-
-
-def _give_values(module: torch.nn.Module, device: torch.device) -> None:
-    """Storage on `device` for the module's own meta tensors, NaN where floating, keeping the Parameter objects."""
-    with torch.no_grad():
-        for param in module._parameters.values():
-            if param is not None and param.is_meta:
-                fresh = torch.nn.Parameter(_nan_like(param, device), requires_grad=param.requires_grad)
-                torch.utils.swap_tensors(param, fresh)
-        for key, buffer in module._buffers.items():
-            if buffer is not None and buffer.is_meta:
-                module._buffers[key] = _nan_like(buffer, device)
-
-
-def _nan_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    empty = torch.empty_like(tensor, device=device)
-    return empty.fill_(float("nan")) if empty.is_floating_point() or empty.is_complex() else empty
 
 
 def _listed(names: list[str]) -> str:
