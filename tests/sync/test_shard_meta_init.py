@@ -76,13 +76,18 @@ def whole(param: torch.Tensor) -> torch.Tensor:
     return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
 
 
-def build_and_train(on_meta: bool, seed_by_replica: bool) -> dict[str, Any]:
+def nested_units(name: str, module: torch.nn.Module) -> bool:
+    """A shard_policy with units inside units: each block, and each block's Linear (sharded before its block)."""
+    return isinstance(module, (torch.nn.Sequential, torch.nn.Linear))
+
+
+def build_and_train(on_meta: bool, seed_by_replica: bool, nested: bool) -> dict[str, Any]:
     """Inside a replica: build Blocks (on meta or for real) with shard="parameters", then two AdamW steps."""
     repl = rp.Replicator(shard="parameters")
     gc.collect()
     baseline = live_bytes()
     CountingLinear.census = [] if on_meta else None
-    with repl.scope():
+    with repl.scope(shard_policy=nested_units if nested else None):
         # Seeded alike (the generator decides the values) or not (then replica 0's values are everyone's).
         torch.manual_seed(repl.replica_id if seed_by_replica else 0)
         if on_meta:
@@ -111,8 +116,8 @@ def build_and_train(on_meta: bool, seed_by_replica: bool) -> dict[str, Any]:
     return result
 
 
-def both_builds(seed_by_replica: bool) -> dict[bool, dict[str, Any]]:
-    return {on_meta: build_and_train(on_meta, seed_by_replica) for on_meta in (True, False)}
+def both_builds(seed_by_replica: bool, nested: bool) -> dict[bool, dict[str, Any]]:
+    return {on_meta: build_and_train(on_meta, seed_by_replica, nested) for on_meta in (True, False)}
 
 
 def whole_build() -> list[torch.Tensor]:
@@ -120,9 +125,11 @@ def whole_build() -> list[torch.Tensor]:
     return [p.detach().clone() for p in Blocks().parameters()]
 
 
-@pytest.mark.parametrize(("replicas", "seed_by_replica"), [(1, False), (2, True), (3, False)])
-def test_a_meta_model_is_built_unit_by_unit_with_a_whole_builds_values(replicas: int, seed_by_replica: bool) -> None:
-    results = run_replicas(both_builds, replicas, seed_by_replica, timeout_s=240)
+@pytest.mark.parametrize(("replicas", "seed_by_replica", "nested"), [(1, False, False), (2, True, False),
+                                                                     (3, False, True)])
+def test_a_meta_model_is_built_unit_by_unit_with_a_whole_builds_values(replicas: int, seed_by_replica: bool,
+                                                                        nested: bool) -> None:
+    results = run_replicas(both_builds, replicas, seed_by_replica, nested, timeout_s=240)
     expected = whole_build()
     for replica, result in enumerate(results):
         meta, real = result[True], result[False]
