@@ -9,14 +9,21 @@ benchmarks/results/sharding_memory.json):
 processes builds the same MLP (`layers` Linear(width, width) blocks), wraps AdamW and trains
 `steps` steps; each process reports its peak resident set (VmHWM, /proc/self/status) less its
 resident set just before the model was built (the interpreter, torch, the process group: the
-same at every level). "parameters" builds the model on the meta device (each unit given values
-and sharded in turn); "parameters, built whole" builds it for real first, for comparison. The
-saving against shard=None is set beside the formula's (replicator.plan.memory: fp32 Adam 16Ψ,
-8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N + the largest unit): the target is a measured saving of at least
-80 % of the formula's. Every level uses the same `bucket_mb` gradient buckets (smaller than the
-25 MB default: "gradients" keeps at most two buckets whole during backward, so a bucket as
-large as the model would save nothing) and Gloo's all-reduce (reducer="flat": the shared-memory
-reducer's segments would count in the resident set of the unsharded levels, not of FSDP2's).
+same at every level); "build peak" is that growth at the end of `repl.scope()`. "parameters"
+builds the model on the meta device (each unit given values and sharded in turn); "parameters,
+built whole" builds it for real first, for comparison. The saving against shard=None is set
+beside the formula's (replicator.plan.memory: fp32 Adam 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N + the
+largest unit): the target is a measured saving of at least 80 % of the formula's. Every level
+uses the same `bucket_mb` gradient buckets (smaller than the 25 MB default: "gradients" keeps at
+most two buckets whole during backward, so a bucket as large as the model would save nothing)
+and Gloo's all-reduce (reducer="flat": the shared-memory reducer's segments would count in the
+resident set of the unsharded levels, not of FSDP2's).
+
+Each table is run under three settings of glibc's heap (ALLOCATORS), because the resident set
+is the heap's, not the tensors': FSDP2 allocates and frees every unit's gathered parameters and
+gradients at every step, and a heap that keeps freed blocks (glibc's default grows its mmap
+threshold past a unit's size; `replicator launch` keeps the whole heap, for speed) holds far
+more than the live tensors.
 
 (b) The budget: the resident set of a replica holding no model (measured in the same run) plus
 `allowance_mb`, less than the model's fp32 Adam state (16Ψ). It is enforced by a watchdog in
@@ -131,6 +138,7 @@ def train(level: str, config: Config, allocator: str, pid_dir: str | None) -> di
         else:
             model = mlp(config)
         optimizer = repl.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    built = status()  # its peak so far is the build's (the whole model, or one unit and the shards)
     seen: dict[str, int] = {}
 
     def step_fn(ctx: rp.ReplicaContext, batch: torch.Tensor) -> None:
@@ -152,7 +160,8 @@ def train(level: str, config: Config, allocator: str, pid_dir: str | None) -> di
         pass
     after = status()
     repl.close()
-    return {"rss_before": before["VmRSS"], "peak": after["VmHWM"], "vm_size": before["VmSize"], **seen}
+    return {"rss_before": before["VmRSS"], "build_peak": built["VmHWM"], "peak": after["VmHWM"],
+            "vm_size": before["VmSize"], **seen}
 
 
 def idle(pid_dir: str | None) -> dict[str, int]:
@@ -231,12 +240,14 @@ def peaks(config: Config, allocator: str) -> dict[str, dict[str, Any]]:
         results = run_replicas(train, config.replicas, level, config, allocator, None, timeout_s=900)
         growth = [(r["peak"] - r["rss_before"]) / MB for r in results]
         formula = shard_memory(level.split(",")[0], psi, config.replicas, "adam", largest_unit=unit).total / MB
+        build = [(r["build_peak"] - r["rss_before"]) / MB for r in results]
         rows[level] = {"peak_growth_mb": growth, "median_mb": statistics.median(growth), "formula_mb": formula,
+                       "build_growth_mb": build,
                        "model_state_mb": [r["model_state_bytes"] / MB for r in results]}
     none = rows["none"]
     print(f"heap: {allocator}")
     print(f"{'shard':26s} {'peak RSS growth (MB)':>22s} {'model state':>12s} {'formula':>8s} {'saved':>8s} "
-          f"{'formula saves':>14s} {'saved/formula':>14s}")
+          f"{'formula saves':>14s} {'saved/formula':>14s} {'build peak':>11s}")
     for level, row in rows.items():
         saved = none["median_mb"] - row["median_mb"]
         formula_saves = none["formula_mb"] - row["formula_mb"]
@@ -245,7 +256,7 @@ def peaks(config: Config, allocator: str) -> dict[str, dict[str, Any]]:
         fraction = f"{row['saved_fraction']:.0%}" if row["saved_fraction"] is not None else "-"
         spread = f"{row['median_mb']:.1f} [{min(row['peak_growth_mb']):.1f}, {max(row['peak_growth_mb']):.1f}]"
         print(f"{level:26s} {spread:>22s} {statistics.median(row['model_state_mb']):12.1f} {row['formula_mb']:8.1f} "
-              f"{saved:8.1f} {formula_saves:14.1f} {fraction:>14s}")
+              f"{saved:8.1f} {formula_saves:14.1f} {fraction:>14s} {statistics.median(row['build_growth_mb']):11.1f}")
     return rows
 
 
