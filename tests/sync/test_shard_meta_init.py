@@ -184,3 +184,20 @@ def test_a_meta_model_that_cannot_be_replayed_is_refused_on_every_replica(model_
     assert sorted(error.rank for error in caught.value.errors) == [0, 1]
     for error in caught.value.errors:
         assert message in error.message, error.message
+
+
+def meta_on_one_replica() -> None:
+    repl = rp.Replicator(shard="parameters")
+    with repl.scope():
+        with torch.device("meta" if repl.replica_id == 1 else "cpu"):
+            model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_replicas_disagreeing_on_the_meta_device_are_told_so_on_every_replica() -> None:
+    with pytest.raises(ReplicaFailure) as caught:
+        run_replicas(meta_on_one_replica, 2, timeout_s=120)
+    assert sorted(error.rank for error in caught.value.errors) == [0, 1]
+    for error in caught.value.errors:  # no hang: the agreement before any value moves names both sides
+        assert "replica(s) 1: checking that every replica's parameters and state have the same names and shapes at " \
+               "the end of repl.scope() (a model on the meta device)" in error.message, error.message
