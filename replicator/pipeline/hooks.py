@@ -13,6 +13,7 @@ import torch
 
 from replicator.comm.agreement import Agreement
 from replicator.pipeline.outcome import Outcome, gather_outcomes, replicas_failed
+from replicator.pipeline.sharded import ShardedUnits
 from replicator.pipeline.step import PipelineError
 from replicator.topology import Mesh
 
@@ -79,16 +80,22 @@ def with_no_sync(
     return dataclasses.replace(hooks, no_sync=no_sync)
 
 
-def around_training_step(hooks: StageHooks, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+def around_training_step(hooks: StageHooks, run: Callable[[], torch.Tensor],
+                         units: ShardedUnits | None = None) -> torch.Tensor:
     """Run one training step (`run`, which raises PipelineError on failure) inside the job's hooks.
 
     The gradient averaging is held for the whole step; then every process of the job
     learns how every step went. After a success everywhere the held averaging is
     released; after a failure anywhere every replica drops it and raises the same
-    PipelineError, so the replicas stay identical.
+    PipelineError, so the replicas stay identical. A stage sharded with FSDP2 (`units`
+    that hold some) is gathered before the step and reduce-scattered or dropped after it
+    in the same way (replicator.pipeline.sharded).
     """
+    sharded = units if units is not None and units.units else None
     failure: PipelineError | None = None
     with hooks.hold_gradients() if hooks.hold_gradients is not None else contextlib.nullcontext():
+        if sharded is not None:
+            sharded.begin()
         try:
             loss = run()
         except PipelineError as error:
@@ -96,11 +103,17 @@ def around_training_step(hooks: StageHooks, run: Callable[[], torch.Tensor]) -> 
     if hooks.agree_on_outcome is not None:
         outcomes = hooks.agree_on_outcome(None if failure is None else failure.reason)
         if outcomes:
+            if sharded is not None:
+                sharded.discard()
             if hooks.abandon_gradients is not None:
                 hooks.abandon_gradients()
             raise replicas_failed(failure, list(outcomes)) from failure
     if failure is not None:
+        if sharded is not None:
+            sharded.discard()
         raise failure
+    if sharded is not None:
+        sharded.reduce()
     if hooks.release_gradients is not None:
         hooks.release_gradients()
     return loss

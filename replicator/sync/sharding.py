@@ -76,10 +76,6 @@ def check_shard(shard: str | None, mode: str, stages: int, precision: object = "
         raise ReplicatorUsageError(
             f"shard={shard!r} works with mode='sync' only, not mode={mode!r}: parameter servers, actors and DiLoCo's "
             "groups keep whole copies of the optimizer state by design. Drop shard= or use mode='sync'")
-    if stages > 1:
-        raise ReplicatorUsageError(
-            f"shard={shard!r} with stages={stages} is not available yet (the gradient slices of a pipeline's stages "
-            "are not built); use one of the two, or shard the stages' memory by giving them fewer layers")
     if shard == "parameters" and getattr(precision, "name", precision) == "fp16":
         raise ReplicatorUsageError(
             "shard='parameters' with precision='fp16' is not available yet: fp16's loss scale judges whole "

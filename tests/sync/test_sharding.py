@@ -304,11 +304,9 @@ def memory_of_gradients() -> dict[str, int]:
 @pytest.mark.parametrize(("arguments", "message"), [
     ({"shard": "zero2"}, r"unknown shard='zero2'; choose None .*'optimizer' \(ZeRO-1.*'gradients' \(ZeRO-2"),
     ({"shard": "parameters", "precision": "fp16"}, r"shard='parameters' with precision='fp16' is not available yet"),
-    ({"shard": "parameters", "stages": 2}, r"shard='parameters' with stages=2 is not available yet"),
     ({"shard": "parameters", "mode": "async", "parameter_servers": 1}, r"mode='sync' only, not mode='async'"),
     ({"shard": "optimizer", "mode": "async", "parameter_servers": 1}, r"mode='sync' only, not mode='async'"),
     ({"shard": "gradients", "mode": "actor_learner", "actors": 1}, r"mode='sync' only, not mode='actor_learner'"),
-    ({"shard": "gradients", "stages": 2}, r"stages=2 is not available yet"),
 ])
 def test_bad_shard_arguments_are_refused_before_the_job_starts(arguments: dict[str, Any], message: str) -> None:
     with pytest.raises(rp.ReplicatorUsageError, match=message):

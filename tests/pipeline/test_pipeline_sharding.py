@@ -1,0 +1,165 @@
+"""Pipelines x sharding: stages=2 with every shard level, bit for bit what shard=None gives, one reduction per step.
+
+Why bit for bit against shard=None at the same stages and replicas: every level cuts the same
+model into the same stages and micro-batches, so each stage's accumulated gradient is the same
+arithmetic; the levels differ only in how the two replicas of a stage average it and who steps
+it. "optimizer" and "gradients" reduce every bucket with the same reducer as shard=None (the
+same additions in the same order) and apply the optimizer's element-wise update to slices of
+the same average. "parameters" reduce-scatters with FSDP2, whose average over 2 replicas is
+(a + b) / 2 where the synchronizer sums a / 2 + b / 2: equal in binary floating point (halving
+is exact for these normal numbers), and the optimizer's update on a shard is the same
+element-wise arithmetic.
+
+Once per step: each level's reduction is counted by the collective it calls (a reducer of our
+own for the synchronizer's buckets, FSDP2's custom all-gather and reduce-scatter hooks for its
+units), never by time. Without the pipeline's care each micro-batch's backward would reduce
+again (CHUNKS times per step), and FSDP2 would gather each unit in every micro-batch's forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+import replicator as rp
+from replicator.testing import run_replicas
+
+GLOBAL_BATCH, CHUNKS, STEPS = 16, 2, 3
+LEVELS = (None, "optimizer", "gradients", "parameters")
+
+
+def layers() -> list[torch.nn.Module]:
+    torch.manual_seed(0)  # every process builds the same whole model; each keeps its stage
+    return [torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)]
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(GLOBAL_BATCH, 6, generator=generator), torch.randint(0, 3, (GLOBAL_BATCH,), generator=generator)
+
+
+def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+
+
+class CountingReducer:
+    """The flat reducer (one all-reduce per bucket), counting the buckets it reduces."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def reduce(self, buffer: torch.Tensor, group: dist.ProcessGroup, bucket: Any = None) -> Any:
+        self.calls += 1
+        return dist.all_reduce(buffer, group=group, async_op=True)
+
+
+class Counted:
+    """A unit's collective (FSDP2's own, or one replicator plugged in), counted as it is called."""
+
+    def __init__(self, inner: Any, counts: dict[str, int], key: str) -> None:
+        self.inner, self.counts, self.key = inner, counts, key
+
+    def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.inner.allocate(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.counts[self.key] += 1
+        return self.inner(*args, **kwargs)
+
+
+def count_collectives(unit: FSDPModule, counts: dict[str, int]) -> None:
+    """Wrap the unit's all-gather and reduce-scatter in counters (FSDP2 keeps them on its parameter group)."""
+    group = fully_shard.state(unit)._fsdp_param_group  # type: ignore[attr-defined]
+    unit.set_custom_all_gather(Counted(group._all_gather_comm, counts, "all_gather"))  # type: ignore[arg-type]
+    unit.set_custom_reduce_scatter(Counted(group._reduce_scatter_comm, counts, "reduce_scatter"))  # type: ignore
+
+
+def whole(param: torch.Tensor) -> torch.Tensor:
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+
+
+SCHEDULES = {"gpipe": (1, [2, 3]), "1f1b": (1, [2, 3]), "zero_bubble": (1, [2, 3]),
+             "interleaved": (2, [1, 2, 1, 1])}  # schedule: virtual stages, balance
+
+
+def train(level: str | None, kind: str, schedule: str) -> dict[str, Any]:
+    """Inside a replica: 3 steps of a 2-stage pipeline over 2 replicas at one shard level."""
+    virtual_stages, balance = SCHEDULES[schedule]
+    reducer = CountingReducer()
+    # One parameter per bucket (a cap of one byte): the buckets reduced per step are the stage's parameters.
+    repl = rp.Replicator(stages=2, chunks=CHUNKS, schedule=schedule, virtual_stages=virtual_stages, shard=level,
+                         bucket_cap_mb=1e-6, reducer=reducer)
+    with repl.scope():
+        pipe = repl.pipeline(layers(), balance=balance)
+        optimizer = repl.wrap_optimizer(make_optimizer(kind, pipe.parameters()))
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    units = [m for m in pipe.module.modules() if isinstance(m, FSDPModule) and any(True for _ in m.parameters(False))]
+    for unit in units:
+        count_collectives(unit, counts)
+    per_step: list[dict[str, int]] = []
+    sharded_in_forward: set[bool] = set()  # were any of the stage's parameters sharded while a layer ran?
+    for layer in pipe.module.modules():
+        if isinstance(layer, torch.nn.Linear):
+            layer.register_forward_pre_hook(lambda module, args: sharded_in_forward.add(
+                any(isinstance(p, DTensor) for p in pipe.module.parameters())))
+
+    def step_fn(ctx: rp.ReplicaContext, data: Any) -> Any:
+        before = {"buckets": reducer.calls, **counts}
+        optimizer.zero_grad()
+        loss = pipe.train_step(data[0], data[1], F.cross_entropy)
+        optimizer.step()
+        after = {"buckets": reducer.calls, **counts}
+        per_step.append({key: after[key] - before[key] for key in after})
+        return ctx.all_mean(loss)
+
+    def input_fn(ctx: rp.InputContext):
+        share = ctx.per_replica_batch_size(GLOBAL_BATCH)
+        for step in range(STEPS):
+            x, y = batch(step)
+            mine = slice(ctx.replica_id * share, (ctx.replica_id + 1) * share)
+            yield x[mine], y[mine]
+
+    losses = [float(loss) for _, loss in repl.run(step_fn, repl.prepare_input(input_fn), record=False)]
+    params = list(pipe.parameters())
+    result = {"stage": repl.stage_id, "params": [whole(p) for p in params], "losses": losses, "per_step": per_step,
+              "trainable": len(params), "units": len(units), "sharded_in_forward": sharded_in_forward,
+              "sharded_after": [isinstance(p, DTensor) for p in pipe.module.parameters()]}
+    repl.close()
+    return result
+
+
+def train_levels(kind: str, schedule: str) -> dict[str | None, dict[str, Any]]:
+    return {level: train(level, kind, schedule) for level in LEVELS}
+
+
+@pytest.mark.parametrize(("kind", "schedule"), [("sgd", "gpipe"), ("adamw", "1f1b"), ("adamw", "zero_bubble"),
+                                                ("sgd", "interleaved")])
+def test_every_shard_level_with_stages_is_shard_none_bit_for_bit_reduced_once_per_step(kind: str,
+                                                                                      schedule: str) -> None:
+    for rank, runs in enumerate(run_replicas(train_levels, 4, kind, schedule, timeout_s=240)):
+        plain = runs[None]
+        for level in LEVELS[1:]:
+            run, where = runs[level], f"rank {rank} (stage {runs[level]['stage']}), shard={level!r}"
+            assert run["losses"] == plain["losses"], where
+            for index, (got, want) in enumerate(zip(run["params"], plain["params"], strict=True)):
+                assert torch.equal(got, want), (where, index, float((got - want).abs().max()))
+        for level in LEVELS[:3]:  # the synchronizer's buckets: each reduced once per step, not once per micro-batch
+            assert runs[level]["per_step"] == [{"buckets": runs[level]["trainable"], "all_gather": 0,
+                                                "reduce_scatter": 0}] * STEPS, (rank, level)
+        zero3 = runs["parameters"]
+        # FSDP2's units: each gathered once and reduce-scattered once per step (plain FSDP2 would gather in every
+        # micro-batch's forward and reduce-scatter after every micro-batch's backward: CHUNKS times).
+        assert zero3["units"] >= 1 and zero3["per_step"] == [
+            {"buckets": 0, "all_gather": zero3["units"], "reduce_scatter": zero3["units"]}] * STEPS, rank
+        assert zero3["sharded_in_forward"] == {False}, rank  # gathered through the step's micro-batches
+        assert all(zero3["sharded_after"]), rank  # and resharded after it
