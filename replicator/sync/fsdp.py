@@ -17,6 +17,7 @@ another module) is refused.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -99,16 +100,31 @@ def shards_finite(params: list[torch.Tensor], group: dist.ProcessGroup | None) -
     return bool(flag)
 
 
-def clip_shards_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+def clip_shards_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float,
+                 stages: dist.ProcessGroup | None = None) -> torch.Tensor:
     """repl.clip_grad_norm_: what torch.nn.utils.clip_grad_norm_ does on FSDP2's DTensor gradients (each replica's
-    shards' norms, combined by DTensor's partial reduction), so the clip factor is plain FSDP2's to the bit."""
+    shards' norms, combined by DTensor's partial reduction), so the clip factor is plain FSDP2's to the bit. With
+    `stages` (a pipeline's stage group, every member calling) the norm is the whole model's: the stages' norms
+    combined, and each replica's shards scaled by its factor."""
     params = list(params)
     grads = [param.grad for param in params if param.grad is not None]
-    if not grads:
+    if not grads and stages is None:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, norm_type)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    norm = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros(())
+    if stages is None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    if math.isinf(norm_type):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=stages)
+    else:
+        powered = norm.to(torch.float64) ** norm_type
+        dist.all_reduce(powered, group=stages)
+        norm = (powered ** (1.0 / norm_type)).to(norm.dtype)
+    shards = local_gradients(params)
+    if shards:  # torch.nn.utils.clip_grads_with_norm_'s arithmetic, on this replica's shards
+        torch._foreach_mul_(shards, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
 
 
 NO_ACCUMULATION = (

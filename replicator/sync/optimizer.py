@@ -414,10 +414,10 @@ class SyncedOptimizers:
             if len(slices) != len(owners) or len(slices) > 1:
                 raise ReplicatorUsageError("with shard='gradients', clip the parameters of one wrapped optimizer at a "
                                            "time: call repl.clip_grad_norm_ once per optimizer")
-            norm = slices[0].clip_(params, max_norm, norm_type)  # type: ignore[union-attr]
+            norm = slices[0].clip_(params, max_norm, norm_type, shards)  # type: ignore[union-attr]
             return self._check_norm(norm)
         if self.shards_parameters:  # the norm of the averages from every replica's shards of them (one all-reduce)
-            return self._check_norm(clip_shards_(params, max_norm, norm_type))
+            return self._check_norm(clip_shards_(params, max_norm, norm_type, shards))
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type).to(params[0].device if params else "cpu")
         if shards is not None:

@@ -218,16 +218,21 @@ class ShardedOptimizer:
             return
         work.wait()
 
-    def clip_(self, params: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
-        """shard="gradients": clip by the global norm of the averaged gradients, from the slices (one all-reduce)."""
+    def clip_(self, params: Iterable[torch.Tensor], max_norm: float, norm_type: float,
+              stages: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """shard="gradients": clip by the global norm of the averaged gradients, from the slices (one all-reduce;
+        with `stages`, a pipeline's stage group, one more: the norm is then the whole model's)."""
         pieces = [self.pieces[id(p)] for p in params if id(p) in self.pieces]
         grads = [g for piece in pieces if (g := self._gradient_of(piece)) is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=self.device)
+        groups = [self.group] if stages is None else [self.group, stages]
         if math.isinf(norm_type):
-            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self.group)
+            for group in groups:
+                dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
         else:
             powered = norm.to(torch.float64) ** norm_type
-            dist.all_reduce(powered, group=self.group)
+            for group in groups:
+                dist.all_reduce(powered, group=group)
             norm = (powered ** (1.0 / norm_type)).to(norm.dtype)
         if grads:  # torch.nn.utils.clip_grads_with_norm_'s arithmetic, on the slices themselves
             torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))

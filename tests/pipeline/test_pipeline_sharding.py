@@ -32,6 +32,8 @@ from replicator.testing import run_replicas
 
 GLOBAL_BATCH, CHUNKS, STEPS = 16, 2, 3
 LEVELS = (None, "optimizer", "gradients", "parameters")
+SGD_LR, MAX_NORM, EPS = 0.1, 0.05, torch.finfo(torch.float32).eps
+ELEMENTS = 16 * 6 + 16 + 16 * 16 + 16 + 3 * 16 + 3  # the whole model's, which the clipping norm sums over
 
 
 def layers() -> list[torch.nn.Module]:
@@ -46,7 +48,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+        return torch.optim.SGD(params, lr=SGD_LR, momentum=0.9, weight_decay=0.01)
     return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
 
 
@@ -92,8 +94,8 @@ SCHEDULES = {"gpipe": (1, [2, 3]), "1f1b": (1, [2, 3]), "zero_bubble": (1, [2, 3
              "interleaved": (2, [1, 2, 1, 1])}  # schedule: virtual stages, balance
 
 
-def train(level: str | None, kind: str, schedule: str) -> dict[str, Any]:
-    """Inside a replica: 3 steps of a 2-stage pipeline over 2 replicas at one shard level."""
+def train(level: str | None, kind: str, schedule: str, clip: bool = False) -> dict[str, Any]:
+    """Inside a replica: 3 steps of a 2-stage pipeline over 2 replicas at one shard level (clipped: by `MAX_NORM`)."""
     virtual_stages, balance = SCHEDULES[schedule]
     reducer = CountingReducer()
     # One parameter per bucket (a cap of one byte): the buckets reduced per step are the stage's parameters.
@@ -107,6 +109,7 @@ def train(level: str | None, kind: str, schedule: str) -> dict[str, Any]:
     for unit in units:
         count_collectives(unit, counts)
     per_step: list[dict[str, int]] = []
+    norms: list[float] = []
     sharded_in_forward: set[bool] = set()  # were any of the stage's parameters sharded while a layer ran?
     for layer in pipe.module.modules():
         if isinstance(layer, torch.nn.Linear):
@@ -117,6 +120,8 @@ def train(level: str | None, kind: str, schedule: str) -> dict[str, Any]:
         before = {"buckets": reducer.calls, **counts}
         optimizer.zero_grad()
         loss = pipe.train_step(data[0], data[1], F.cross_entropy)
+        if clip:
+            norms.append(float(repl.clip_grad_norm_(pipe.parameters(), MAX_NORM)))
         optimizer.step()
         after = {"buckets": reducer.calls, **counts}
         per_step.append({key: after[key] - before[key] for key in after})
@@ -131,15 +136,16 @@ def train(level: str | None, kind: str, schedule: str) -> dict[str, Any]:
 
     losses = [float(loss) for _, loss in repl.run(step_fn, repl.prepare_input(input_fn), record=False)]
     params = list(pipe.parameters())
-    result = {"stage": repl.stage_id, "params": [whole(p) for p in params], "losses": losses, "per_step": per_step,
-              "trainable": len(params), "units": len(units), "sharded_in_forward": sharded_in_forward,
+    result = {"stage": repl.stage_id, "params": [whole(p) for p in params], "losses": losses, "norms": norms,
+              "per_step": per_step, "trainable": len(params), "units": len(units),
+              "sharded_in_forward": sharded_in_forward,
               "sharded_after": [isinstance(p, DTensor) for p in pipe.module.parameters()]}
     repl.close()
     return result
 
 
-def train_levels(kind: str, schedule: str) -> dict[str | None, dict[str, Any]]:
-    return {level: train(level, kind, schedule) for level in LEVELS}
+def train_levels(kind: str, schedule: str, clip: bool = False) -> dict[str | None, dict[str, Any]]:
+    return {level: train(level, kind, schedule, clip) for level in LEVELS}
 
 
 @pytest.mark.parametrize(("kind", "schedule"), [("sgd", "gpipe"), ("adamw", "1f1b"), ("adamw", "zero_bubble"),
@@ -163,3 +169,63 @@ def test_every_shard_level_with_stages_is_shard_none_bit_for_bit_reduced_once_pe
             {"buckets": 0, "all_gather": zero3["units"], "reduce_scatter": zero3["units"]}] * STEPS, rank
         assert zero3["sharded_in_forward"] == {False}, rank  # gathered through the step's micro-batches
         assert all(zero3["sharded_after"]), rank  # and resharded after it
+
+
+def test_clipping_with_stages_clips_by_the_whole_models_norm_at_every_level() -> None:
+    # shard=None: each stage's norm of its averaged gradients, combined over the stages. "optimizer" holds the same
+    # averaged gradients: the same norm, bit for bit. "gradients" sums it from each replica's slices, "parameters"
+    # from each replica's FSDP2 shards, then over the stages: the same sum of squares grouped otherwise, so the norm
+    # and the clip factor may differ in their last bits, relative <= ELEMENTS * eps. A clipped SGD step with
+    # momentum 0.9 moves a parameter by at most SGD_LR * 10 * MAX_NORM <= SGD_LR: STEPS steps, each off by at most
+    # that relative error, bound the parameters' difference.
+    atol = STEPS * SGD_LR * ELEMENTS * EPS
+    for rank, runs in enumerate(run_replicas(train_levels, 4, "sgd", "gpipe", True, timeout_s=240)):
+        plain = runs[None]
+        assert all(norm > MAX_NORM for norm in plain["norms"]), plain["norms"]  # clipping is active
+        assert runs["optimizer"]["norms"] == plain["norms"], rank
+        assert all(torch.equal(g, w) for g, w in zip(runs["optimizer"]["params"], plain["params"], strict=True))
+        for level in ("gradients", "parameters"):
+            run, where = runs[level], f"rank {rank} (stage {runs[level]['stage']}), shard={level!r}"
+            assert run["norms"] == pytest.approx(plain["norms"], rel=ELEMENTS * EPS, abs=0), where
+            for got, want in zip(run["params"], plain["params"], strict=True):
+                assert torch.allclose(got, want, rtol=0, atol=atol), (where, float((got - want).abs().max()))
+
+
+def fail_once_then_train(level: str | None) -> tuple[int, list[str], list[torch.Tensor]]:
+    """Inside a replica: 3 steps outside run(); at step 1 replica 1's loss is not a scalar, so that step fails."""
+    repl = rp.Replicator(stages=2, chunks=CHUNKS, shard=level)
+    with repl.scope():
+        pipe = repl.pipeline(layers(), balance=[2, 3])
+        optimizer = repl.wrap_optimizer(make_optimizer("sgd", pipe.parameters()))
+    outcomes = []
+    share = GLOBAL_BATCH // repl.num_replicas
+    for step in range(3):
+        x, y = batch(step)
+        mine = slice(repl.replica_id * share, (repl.replica_id + 1) * share)
+        failing = step == 1 and repl.replica_id == 1
+        loss_fn = (lambda out, t: F.cross_entropy(out, t, reduction="none")) if failing else F.cross_entropy
+        optimizer.zero_grad()
+        try:
+            pipe.train_step(x[mine], y[mine], loss_fn)
+        except rp.pipeline.PipelineError as error:
+            outcomes.append(type(error).__name__)
+            continue
+        optimizer.step()
+        outcomes.append("stepped")
+    result = repl.stage_id, outcomes, [whole(p) for p in pipe.parameters()]
+    repl.close()
+    return result
+
+
+def fail_once_at_every_level() -> dict[str | None, tuple[int, list[str], list[torch.Tensor]]]:
+    return {level: fail_once_then_train(level) for level in LEVELS}
+
+
+def test_a_step_failing_on_one_replica_fails_on_all_and_the_next_step_starts_clean_at_every_level() -> None:
+    # The failed step's gradients are dropped alike everywhere (the synchronizer's buckets, or FSDP2's gathered units
+    # and their accumulated gradients, with no collective), so the next step is the same arithmetic as shard=None's.
+    for rank, runs in enumerate(run_replicas(fail_once_at_every_level, 4, timeout_s=240)):
+        _, _, plain = runs[None]
+        for level, (stage, outcomes, params) in runs.items():
+            assert outcomes == ["stepped", "PipelineError", "stepped"], (rank, level, outcomes)
+            assert all(torch.equal(g, w) for g, w in zip(params, plain, strict=True)), (rank, stage, level)
