@@ -229,3 +229,51 @@ def test_a_step_failing_on_one_replica_fails_on_all_and_the_next_step_starts_cle
         for level, (stage, outcomes, params) in runs.items():
             assert outcomes == ["stepped", "PipelineError", "stepped"], (rank, level, outcomes)
             assert all(torch.equal(g, w) for g, w in zip(params, plain, strict=True)), (rank, stage, level)
+
+
+def skip_and_evaluate(level: str | None) -> dict[str, Any]:
+    """Inside a replica, the default reducer: at step 1 the last stage's loss makes one of its weights' gradient NaN
+    (on replica 1 only, not through the activations: stage 0's gradients stay finite); then an evaluation step."""
+    repl = rp.Replicator(stages=2, chunks=CHUNKS, schedule="1f1b", shard=level, nonfinite="skip")
+    with repl.scope():
+        pipe = repl.pipeline(layers(), balance=[2, 3])
+        optimizer = repl.wrap_optimizer(make_optimizer("adamw", pipe.parameters()))
+
+    def step_fn(ctx: rp.ReplicaContext, data: Any) -> Any:
+        def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(output, target)
+            if ctx.step == 1 and ctx.replica_id == 1:  # the weight FSDP2 gathered for this step, if sharded
+                loss = loss + float("nan") * pipe.module[2].weight.sum()
+            return loss
+
+        optimizer.zero_grad()
+        pipe.train_step(data[0], data[1], loss_fn)
+        optimizer.step()
+
+    share = GLOBAL_BATCH // repl.num_replicas
+    mine = slice(repl.replica_id * share, (repl.replica_id + 1) * share)
+    for _ in repl.run(step_fn, [(x[mine], y[mine]) for x, y in map(batch, range(STEPS))], record=False):
+        pass
+    output = pipe.eval_step(batch(STEPS)[0][mine])
+    result = {"stage": repl.stage_id, "skipped": list(repl.skipped_steps), "output": output,
+              "params": [whole(p) for p in pipe.parameters()]}
+    repl.close()
+    return result
+
+
+def skip_and_evaluate_at_every_level() -> dict[str | None, dict[str, Any]]:
+    return {level: skip_and_evaluate(level) for level in LEVELS}
+
+
+def test_a_nan_gradient_on_one_stage_skips_the_update_on_every_stage_at_every_level() -> None:
+    # One process skips the whole model's update; so must both stages at every level, though only stage 1 saw the
+    # NaN (in a slice of one replica, or a shard). The default reducer (shared memory: "gradients" stops each bucket
+    # after its scatter) gives the same bits as shard=None, and so does an evaluation step afterwards.
+    for rank, runs in enumerate(run_replicas(skip_and_evaluate_at_every_level, 4, timeout_s=240)):
+        plain = runs[None]
+        for level, run in runs.items():
+            where = f"rank {rank} (stage {run['stage']}), shard={level!r}"
+            assert run["skipped"] == [1], where
+            assert all(torch.equal(g, w) for g, w in zip(run["params"], plain["params"], strict=True)), where
+            if run["stage"] == 1:
+                assert torch.equal(run["output"], plain["output"]), where
