@@ -77,7 +77,8 @@ def take_sharded(optimizer: torch.optim.Optimizer, successors: dict[int, torch.n
             "is then built over the shards), and restore saved state with repl.restore()")
     for group in optimizer.param_groups:
         group["params"] = [successors.get(id(param), param) for param in group["params"]]
-        plain = [name_of(param) for param in group["params"] if not is_sharded(param)]
+        # An empty tensor (a pipeline stage without parameters offers one to its optimizer) has nothing to shard.
+        plain = [name_of(param) for param in group["params"] if not is_sharded(param) and param.numel()]
         if plain:
             raise ReplicatorUsageError(
                 f"{', '.join(plain[:3])} of {type(optimizer).__name__} {'is' if len(plain) == 1 else 'are'} not a "

@@ -277,3 +277,34 @@ def test_a_nan_gradient_on_one_stage_skips_the_update_on_every_stage_at_every_le
             assert all(torch.equal(g, w) for g, w in zip(run["params"], plain["params"], strict=True)), where
             if run["stage"] == 1:
                 assert torch.equal(run["output"], plain["output"]), where
+
+
+def stage_without_parameters(level: str | None) -> tuple[int, list[torch.Tensor]]:
+    """Inside a replica: stage 0 is a ReLU alone (its optimizer gets the stage's empty placeholder parameter)."""
+    repl = rp.Replicator(stages=2, chunks=CHUNKS, shard=level)
+    with repl.scope():
+        pipe = repl.pipeline([torch.nn.ReLU(), *layers()], balance=[1, 5])
+        optimizer = repl.wrap_optimizer(make_optimizer("adamw", pipe.parameters()))
+    x, y = batch(0)
+    share = GLOBAL_BATCH // repl.num_replicas
+    mine = slice(repl.replica_id * share, (repl.replica_id + 1) * share)
+    for _ in range(2):
+        optimizer.zero_grad()
+        pipe.train_step(x[mine], y[mine], F.cross_entropy)
+        optimizer.step()
+    result = repl.stage_id, [whole(p) for p in pipe.parameters()]
+    repl.close()
+    return result
+
+
+def stage_without_parameters_at_every_level() -> dict[str | None, tuple[int, list[torch.Tensor]]]:
+    return {level: stage_without_parameters(level) for level in LEVELS}
+
+
+def test_a_stage_without_parameters_trains_at_every_level() -> None:
+    # With "parameters" the empty stage has no FSDP2 unit: its micro-batches must not ask the synchronizer for
+    # no_sync() (refused with "parameters"), and its placeholder has nothing to shard.
+    for rank, runs in enumerate(run_replicas(stage_without_parameters_at_every_level, 4, timeout_s=240)):
+        _, plain = runs[None]
+        for level, (stage, params) in runs.items():
+            assert all(torch.equal(g, w) for g, w in zip(params, plain, strict=True)), (rank, stage, level)
