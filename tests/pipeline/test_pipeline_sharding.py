@@ -355,3 +355,46 @@ def test_a_sharded_pipelines_checkpoint_resumes_bit_for_bit_at_another_level(sav
     # global layout), so a run resumed at another shard level takes the same steps as the uninterrupted one.
     with tempfile.TemporaryDirectory() as root:
         assert run_replicas(save_then_resume, 4, saved_at, resumed_at, root, timeout_s=240) == [True] * 4
+
+
+def accumulate_or_autocast(level: str | None, precision: str, accumulation: int) -> list[torch.Tensor]:
+    """Inside a replica: 4 steps of the pipeline at one shard level, with an accumulation window or a precision."""
+    repl = rp.Replicator(stages=2, chunks=CHUNKS, shard=level, precision=precision)
+    with repl.scope():
+        pipe = repl.pipeline(layers(), balance=[2, 3])
+        optimizer = repl.wrap_optimizer(make_optimizer("adamw", pipe.parameters()))
+    repl.accumulate(accumulation)
+
+    def step_fn(ctx: rp.ReplicaContext, data: Any) -> None:
+        optimizer.zero_grad()
+        pipe.train_step(data[0], data[1], F.cross_entropy)
+        optimizer.step()
+
+    share = GLOBAL_BATCH // repl.num_replicas
+    mine = slice(repl.replica_id * share, (repl.replica_id + 1) * share)
+    for _ in repl.run(step_fn, [(x[mine], y[mine]) for x, y in map(batch, range(4))], record=False, progress=False):
+        pass
+    params = [whole(p) for p in pipe.parameters()]
+    repl.close()
+    return params
+
+
+# (precision, accumulation): the levels that take it. "parameters" refuses accumulate(n > 1) and fp16, with or without
+# stages (FSDP2 reduce-scatters every backward pass outside a pipeline; no sharded loss scale exists).
+OPTIONS = {("fp32", 2): LEVELS[:3], ("fp16", 1): LEVELS[:3], ("bf16", 1): LEVELS}
+
+
+def accumulate_or_autocast_at_every_level() -> dict[tuple[str, int, str | None], list[torch.Tensor]]:
+    return {(precision, accumulation, level): accumulate_or_autocast(level, precision, accumulation)
+            for (precision, accumulation), levels in OPTIONS.items() for level in levels}
+
+
+def test_accumulation_and_precisions_with_stages_keep_every_level_bit_for_bit_shard_none() -> None:
+    # accumulate(2): the stage's micro-batches and the window's steps all accumulate before the one reduction;
+    # fp16: the loss scale's verdict spans the stages and replicas as without sharding; bf16: autocast alike.
+    for rank, runs in enumerate(run_replicas(accumulate_or_autocast_at_every_level, 4, timeout_s=240)):
+        for (precision, accumulation), levels in OPTIONS.items():
+            plain = runs[(precision, accumulation, None)]
+            for level in levels[1:]:
+                got = runs[(precision, accumulation, level)]
+                assert all(torch.equal(g, w) for g, w in zip(got, plain, strict=True)), (rank, precision, level)
