@@ -162,7 +162,7 @@ class PipelineStage:
         self.timeline = Timeline(stage_id, replica, enabled=record)
         self.hooks = with_no_sync(hooks, no_sync)
         self._scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None  # set during an fp16 training step
-        self.sharded = ShardedUnits(module)  # shard="parameters": FSDP2 units, reduce-scattered once per step
+        self._fsdp_units = ShardedUnits(module)  # shard="parameters": gathered and reduce-scattered once per step
         actions = self.schedule.stages[stage_id]
         # The last pass that accumulates weight gradients: the gradient synchronizer averages after it.
         self._last_update = max(n for n, a in enumerate(actions) if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT))
@@ -237,7 +237,7 @@ class PipelineStage:
         with scaling as self._scale_loss:  # fp16: the losses' backward starts from the loss scale
             return around_training_step(
                 self.hooks, lambda: self._run_training_step(inputs, targets, loss_fn, reduction, normalizer),
-                self.sharded)
+                self._fsdp_units)
 
     def _run_training_step(self, inputs: Any, targets: Any, loss_fn: LossFn | None, reduction: str,
                            normalizer: float | torch.Tensor | None) -> torch.Tensor:
@@ -340,8 +340,7 @@ class PipelineStage:
                     if op is Op.FORWARD:
                         self._forward(action, step, loss_fn, reduction)
                     else:
-                        # FSDP2 units accumulate locally until the step ends (ShardedUnits), not by no_sync.
-                        no_sync = None if self.sharded.units else self.hooks.no_sync
+                        no_sync = self.hooks.no_sync
                         with no_sync() if no_sync is not None and n != self._last_update else contextlib.nullcontext():
                             self._backward(action, step)
                 except Exception as error:
