@@ -340,7 +340,10 @@ class PipelineStage:
                     if op is Op.FORWARD:
                         self._forward(action, step, loss_fn, reduction)
                     else:
-                        no_sync = self.hooks.no_sync
+                        # Nothing to hold back where FSDP2 units accumulate until the step ends (ShardedUnits) or
+                        # the stage has no parameters (with shard="parameters", the job's no_sync() is refused).
+                        skip = self._placeholder is not None or self._fsdp_units.units
+                        no_sync = None if skip else self.hooks.no_sync
                         with no_sync() if no_sync is not None and n != self._last_update else contextlib.nullcontext():
                             self._backward(action, step)
                 except Exception as error:

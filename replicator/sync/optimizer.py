@@ -390,11 +390,6 @@ class SyncedOptimizers:
         finally:
             self.state.no_sync_depth -= 1
 
-    def stage_no_sync(self) -> contextlib.AbstractContextManager[None]:
-        """What a pipeline stage enters around each backward but a step's last: no_sync(); with shard="parameters"
-        nothing, no synchronizer holds a gradient (FSDP2 units accumulate until the step ends: pipeline.sharded)."""
-        return contextlib.nullcontext() if self.shards_parameters else self.no_sync()
-
     def restart_counts(self) -> None:
         """Forget micro-steps taken (after restoring a checkpoint, which falls between updates)."""
         for wrapped in self.wrapped:
