@@ -18,7 +18,9 @@ training step the stage (every replica of it alike, in module order):
 `reduce()` runs FSDP2's post-backward by hand, after the schedule's last backward, as
 torch.distributed.pipelining's stage does (`perform_reduce_grad`): a split backward's weight
 pass (zero-bubble schedules) runs outside the autograd hooks FSDP2 would otherwise reduce in.
-Internal to replicator.pipeline.
+Like it, it reads FSDP2's internal state (`fully_shard.state(unit)`'s parameter groups);
+tests/pipeline/test_pipeline_sharding.py fails on a torch that changes it. Internal to
+replicator.pipeline.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class ShardedUnits:
         self._end_of_step()
         for unit in self.units:
             state = fully_shard.state(unit)  # type: ignore[attr-defined]
-            if state._is_root:
+            if state._is_root and hasattr(unit, "reset_iter_state"):  # the iteration's trackers (recent torch)
                 unit.reset_iter_state()
             for group in state._fsdp_param_groups:
                 for param in group.fsdp_params:
