@@ -8,8 +8,11 @@ except ImportError:  # pragma: no cover - torch 2.4
     from torch.distributed._tensor import DTensor  # type: ignore[no-redef, unused-ignore]
 
 try:  # public from torch 2.6
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 except ImportError:  # pragma: no cover - torch 2.4 and 2.5
-    from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef, attr-defined, unused-ignore]
+    from torch.distributed._composable.fsdp import (  # type: ignore[no-redef, attr-defined, unused-ignore]
+        FSDPModule,
+        fully_shard,
+    )
 
-__all__ = ["DTensor", "fully_shard"]
+__all__ = ["DTensor", "FSDPModule", "fully_shard"]

@@ -26,7 +26,8 @@ replicator.pipeline.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from replicator._torch_names import FSDPModule, fully_shard
 
 __all__ = ["ShardedUnits"]
 
@@ -49,7 +50,8 @@ class ShardedUnits:
     def begin(self) -> None:
         """Before the step's first forward: keep every unit gathered and every gradient local; gather them now."""
         for unit in self.units:
-            unit.set_reshard_after_forward(False, recurse=False)
+            if hasattr(unit, "set_reshard_after_forward"):  # else (older torch) gathered again for each micro-batch
+                unit.set_reshard_after_forward(False, recurse=False)
             unit.set_reshard_after_backward(False, recurse=False)
             unit.set_requires_gradient_sync(False, recurse=False)
             unit.set_is_last_backward(False)
@@ -85,7 +87,8 @@ class ShardedUnits:
     def _end_of_step(self) -> None:
         """Back to FSDP2's behaviour between steps (an evaluation's forward gathers and frees each unit)."""
         for unit in self.units:
-            unit.set_reshard_after_forward(True, recurse=False)
+            if hasattr(unit, "set_reshard_after_forward"):
+                unit.set_reshard_after_forward(True, recurse=False)
             unit.set_reshard_after_backward(True, recurse=False)
             unit.set_requires_gradient_sync(True, recurse=False)
             unit.set_is_last_backward(True)
