@@ -18,6 +18,7 @@ again (CHUNKS times per step), and FSDP2 would gather each unit in every micro-b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from typing import Any
@@ -398,3 +399,34 @@ def test_accumulation_and_precisions_with_stages_keep_every_level_bit_for_bit_sh
             for level in levels[1:]:
                 got = runs[(precision, accumulation, level)]
                 assert all(torch.equal(g, w) for g, w in zip(got, plain, strict=True)), (rank, precision, level)
+
+
+def built_on_meta(level: str | None, meta: bool) -> list[torch.Tensor]:
+    """Inside a replica: the model built on the meta device (or whole), cut into stages, 2 steps at one level."""
+    repl = rp.Replicator(stages=2, chunks=CHUNKS, shard=level)
+    with repl.scope():
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = layers()
+        pipe = repl.pipeline(model, balance=[2, 3])  # this stage's layers get values: a whole build's
+        optimizer = repl.wrap_optimizer(make_optimizer("adamw", pipe.parameters()))
+    share = GLOBAL_BATCH // repl.num_replicas
+    mine = slice(repl.replica_id * share, (repl.replica_id + 1) * share)
+    for step in range(2):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        pipe.train_step(x[mine], y[mine], F.cross_entropy)
+        optimizer.step()
+    params = [whole(p) for p in pipe.parameters()]
+    repl.close()
+    return params
+
+
+def built_on_meta_or_whole() -> dict[tuple[str | None, bool], list[torch.Tensor]]:
+    return {(level, meta): built_on_meta(level, meta) for level in (None, "parameters") for meta in (False, True)}
+
+
+def test_a_model_built_on_meta_trains_in_sharded_stages_as_one_built_whole() -> None:
+    # A model too big for one process: built on meta, each stage gives its own layers values, then shards them.
+    for rank, runs in enumerate(run_replicas(built_on_meta_or_whole, 4, timeout_s=240)):
+        for key, params in runs.items():
+            assert all(torch.equal(g, w) for g, w in zip(params, runs[(None, False)], strict=True)), (rank, key)
