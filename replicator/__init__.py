@@ -1,7 +1,7 @@
 """replicator: write input_fn and step_fn for one device; run them on many."""
 
 from replicator import nn
-from replicator.asynchronous import ActorContext, ActorLearnerError, Replay, ReplaySample
+from replicator.asynchronous import ActorContext, ActorLearnerError, Replay, ReplaySample, join_actor
 from replicator.context import InputContext, ReplicaContext
 from replicator.errors import NonFiniteError, ReplicaMismatchError, ReplicatorError, ReplicatorUsageError
 from replicator.replicator import Replicator
@@ -21,5 +21,6 @@ __all__ = [
     "ReplaySample",
     "ActorContext",
     "ActorLearnerError",
+    "join_actor",
 ]
 __version__ = "0.1.0"

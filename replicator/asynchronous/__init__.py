@@ -2,10 +2,11 @@
 
 from replicator.asynchronous.actor import ActorContext, ActorLearnerError
 from replicator.asynchronous.diloco import DiLoCo, OuterOptimizer, diloco_for
+from replicator.asynchronous.joining import join_actor
 from replicator.asynchronous.regime import AsyncRegime
 from replicator.asynchronous.replay import Replay, ReplaySample
 from replicator.asynchronous.settings import AsyncSettings, check_shardable
 from replicator.asynchronous.worker import ServerError
 
 __all__ = ["AsyncRegime", "AsyncSettings", "DiLoCo", "OuterOptimizer", "ServerError", "check_shardable", "diloco_for",
-           "ActorContext", "ActorLearnerError", "Replay", "ReplaySample"]
+           "ActorContext", "ActorLearnerError", "Replay", "ReplaySample", "join_actor"]

@@ -18,7 +18,6 @@ from replicator.asynchronous.staging import Columns, chunk_rows
 from replicator.asynchronous.transitions import TransitionSpec, as_tensor
 from replicator.asynchronous.variables import VariableSink
 from replicator.comm.peer_link import PeerLinkError
-from replicator.comm.store import job_store
 from replicator.errors import ReplicatorError, ReplicatorUsageError
 from replicator.timeline import recorder as timeline
 
@@ -197,14 +196,14 @@ class ActorContext:
         `reason` goes into the learners' `repl.last_run["actor_learner"]["ended"]` and their log line."""
         text = f"{self.who} asked to end the run" + (f": {reason}" if reason else "")
         try:
-            job_store().compare_set(exchange.Keys.end_request(self.run), "", text)  # the first request wins
+            exchange.store().compare_set(exchange.Keys.end_request(self.run), "", text)  # the first request wins
         except RuntimeError as error:
             raise ActorLearnerError(f"{self.who}: the job's store is gone ({error}): the learners ended") from error
 
     def counters(self) -> dict[str, Any]:
         """The job's figures as the learners last published them (twice a second): env steps (all actors, as of
         their last pulls), learner steps, realised samples per insert and the policy lag at insert."""
-        store = job_store()
+        store = exchange.store()
         env_steps = 0
         for actor in range(self.roles.actors):
             key = exchange.Keys.env_steps(actor)
@@ -265,7 +264,7 @@ class ActorContext:
         if now - self._stored > STEPS_EVERY_S or self.figures["pulls"] == 1:
             self._stored = now
             try:
-                job_store().set(exchange.Keys.env_steps(self.actor_id), str(self.env_steps))
+                exchange.store().set(exchange.Keys.env_steps(self.actor_id), str(self.env_steps))
             except RuntimeError:
                 pass  # only the counters miss it
 
@@ -277,7 +276,7 @@ class ActorContext:
         mine.check("next_observation", as_tensor(next_observation, "next_observation", self.who), self.who,
                    "this actor's first observation")
         # The first transition of the job fixes the format for every actor and shard.
-        winner = job_store().compare_set(exchange.Keys.spec, "", mine.encode()).decode("ascii")
+        winner = exchange.store().compare_set(exchange.Keys.spec, "", mine.encode()).decode("ascii")
         self._spec = TransitionSpec.decode(winner)
         self._source = "the job's first transition" if winner != mine.encode() else "this actor's first transition"
         for field, tensor in (("observation", obs), ("action", act)):
@@ -398,7 +397,7 @@ class ActorContext:
             self._checked = now
             self._raise_if_aborted()
             try:
-                self._done = self._done or bool(job_store().check([exchange.Keys.done(self.run)]))
+                self._done = self._done or bool(exchange.store().check([exchange.Keys.done(self.run)]))
             except RuntimeError as error:
                 raise ActorLearnerError(f"{self.who}: the job's store is gone ({error}): the learners ended") from error
 
@@ -435,7 +434,7 @@ class ActorContext:
     def _layout_difference(self) -> str:
         mine = self.sink.layout.described
         try:
-            theirs = job_store().get(exchange.Keys.layout).decode("utf-8").split("\n")
+            theirs = exchange.store().get(exchange.Keys.layout).decode("utf-8").split("\n")
         except RuntimeError:
             theirs = []
         first = next((f"{m!r} here, {t!r} on the learners" for m, t in zip(mine, theirs, strict=False) if m != t),

@@ -28,7 +28,6 @@ from replicator.asynchronous.service import LearnerService
 from replicator.asynchronous.settings import AsyncSettings
 from replicator.asynchronous.variables import VariableSink, VariableSource
 from replicator.comm.peer_link import PeerLinkError
-from replicator.comm.store import job_store
 from replicator.context import InputContext
 from replicator.epochs import InputPosition
 from replicator.errors import ReplicatorUsageError
@@ -146,14 +145,17 @@ class ActorLearnerRegime(Regime):
         if self.variables is None:
             self.variables = VariableSource(self.models.modules)
             if self.roles.index == 0:
-                job_store().set(exchange.Keys.layout, "\n".join(self.variables.layout.described))
+                exchange.store().set(exchange.Keys.layout, "\n".join(self.variables.layout.described))
         self.variables.publish(self.optimizers.state.step, force=True)  # the actors' first pull takes it at once
         self.stopped, self.sample_wait_s = None, 0.0
         self.drawn, self.end_at, self.ended = 0, None, None
         self.service = LearnerService(self.roles, self.runs, replay.shard, self.variables, self.job.timeout_s)
         self.service.start()
         if self.roles.index == 0:
-            job_store().set(exchange.Keys.run, str(self.runs))  # for an actor that joins the running job
+            # For an actor that joins the running job (asynchronous.joining): the shape, then the run to join.
+            roles = self.roles
+            exchange.store().set(exchange.Keys.shape, f"{roles.learners} {roles.actors} {int(roles.evaluator)}")
+            exchange.store().set(exchange.Keys.run, str(self.runs))
         self.started, self.first_step = time.monotonic(), self.optimizers.state.step
 
     def batches(self) -> Iterator[ReplaySample]:
@@ -196,7 +198,7 @@ class ActorLearnerRegime(Regime):
         end at the same step, as when `steps` is reached.
         """
         if self.end_at is None:
-            store = job_store()
+            store = exchange.store()
             request = exchange.Keys.end_request(self.runs)
             if not store.check([request]):
                 return False
@@ -214,7 +216,7 @@ class ActorLearnerRegime(Regime):
         service = self.service
         assert service is not None
         try:
-            job_store().set(exchange.Keys.done(self.runs), "1")
+            exchange.store().set(exchange.Keys.done(self.runs), "1")
         except RuntimeError:
             pass  # the store left with its host; the actors see the learners leave
         service.finish()
@@ -232,7 +234,7 @@ class ActorLearnerRegime(Regime):
         roles, limiter = self.roles, service.shard.limiter
         codes = {"died": 1, "hung": 2}
         sums = torch.tensor([limiter.inserts, limiter.samples, max(limiter.inserts - limiter.min_size, 0),
-                             *service.histogram.tolist(), limiter.outside], dtype=torch.int64)
+                             *service.histogram.tolist(), limiter.outside, *service.inserted], dtype=torch.int64)
         maxima = torch.tensor([*service.env_steps, *(codes.get(str(service.departed.get(a, {}).get("how")), 0)
                                                      for a in range(roles.others))], dtype=torch.int64)
         group = self.job.groups.replica_control
@@ -252,6 +254,7 @@ class ActorLearnerRegime(Regime):
         assert self.variables is not None
         return {"role": "learner", "learners": roles.learners, "actors": roles.actors, "evaluator": roles.evaluator,
                 "outside_band": int(sums[3 + len(service.histogram)]), "weight_copies": self.variables.copies,
+                "inserts_by_actor": sums[4 + len(service.histogram):].tolist(), "rejoined": service.rejoined,
                 "learner_steps": steps, "learner_steps_per_second": steps / max(seconds, 1e-9),
                 "env_steps": actors_env, "env_steps_per_second": actors_env / max(seconds, 1e-9),
                 "inserts": inserts, "samples": samples, "samples_per_insert": samples / past_min if past_min else None,

@@ -11,13 +11,18 @@ numbers or plain text (errors, the transition format), never pickled objects.
 
 from __future__ import annotations
 
+import secrets
+from datetime import timedelta
+
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from replicator.comm.frames import FIRST_USER_KIND
 from replicator.comm.store import job_store
 
-__all__ = ["JOIN", "CHUNK", "BYE", "CREDIT", "PULL", "WEIGHTS", "UNCHANGED", "LAYOUT", "CREDIT_FIXED",
+__all__ = ["store", "join_store", "JOIN", "CHUNK", "BYE", "CREDIT", "PULL", "WEIGHTS", "UNCHANGED", "LAYOUT",
+           "CREDIT_FIXED",
            "Keys", "lag_summary", "LAG_BINS", "post_abort", "read_abort"]
 
 # Actor to learner, on the insert link.
@@ -49,6 +54,7 @@ class Keys:
     layout = prefix + "layout"  # the learners' modules, described line by line (for an actor whose differ)
 
     run = prefix + "run"  # the learners' current run() number, for an actor that joins a running job
+    shape = prefix + "shape"  # "learners actors evaluator", for the same
 
     @classmethod
     def insert_link(cls, run: int, learner: int) -> str:
@@ -83,10 +89,46 @@ class Keys:
         return f"{cls.prefix}learner{index}"
 
 
+_stores: dict[int, dist.Store] = {}  # the actor–learner store of each job store met (a process may run jobs in turn)
+LATEST = "replicator/al/latest"  # in the job's root store: the id of the newest actor–learner job, for joiners
+
+
+def store() -> dist.Store:
+    """Where the actor–learner job keeps its notes and the peer links their addresses and token: a namespace of the
+    store's root (the launcher's TCPStore) under an id the job draws once, so that an actor outside the
+    torch.distributed world can reach it with the root's address alone (`join_store`)."""
+    base = _joined if _joined is not None else job_store()
+    found = _stores.get(id(base))
+    if found is None:
+        if _joined is not None:
+            return _joined
+        ident = base.compare_set(Keys.prefix + "id", "", secrets.token_hex(8)).decode("ascii")
+        root = base
+        while isinstance(root, dist.PrefixStore):
+            root = root.underlying_store
+        root.set(LATEST, ident)
+        found = _stores[id(base)] = dist.PrefixStore(f"{Keys.prefix}{ident}/", root)
+    return found
+
+
+_joined: dist.Store | None = None
+
+
+def join_store(host: str, port: int, timeout_s: float) -> dist.Store:
+    """This process's actor–learner store, reached from outside the job's world: the root store at host:port (the
+    job's MASTER_ADDR and MASTER_PORT), the newest actor–learner job in it."""
+    global _joined
+    root = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    root.wait([LATEST], timedelta(seconds=timeout_s))
+    ident = root.get(LATEST).decode("ascii")
+    _joined = dist.PrefixStore(f"{Keys.prefix}{ident}/", root)
+    return _joined
+
+
 def post_abort(message: str) -> None:
     """Record the job's first failure for every process to raise; later ones keep theirs."""
     try:
-        handle = job_store()
+        handle = store()
         if handle.add(Keys.abort_count, 1) == 1:
             handle.set(Keys.abort, message)
     except RuntimeError:
@@ -95,7 +137,7 @@ def post_abort(message: str) -> None:
 
 def read_abort() -> str | None:
     try:
-        handle = job_store()
+        handle = store()
         return handle.get(Keys.abort).decode("utf-8", "replace") if handle.check([Keys.abort]) else None
     except RuntimeError:
         return None

@@ -28,7 +28,7 @@ class InsertLink:
     def __init__(self, learner: int, name: str, rank: int, role: str, timeout_s: float,
                  changed: threading.Condition) -> None:
         self.learner = learner
-        self.connection = connect(name, rank=rank, role=role, timeout_s=timeout_s)
+        self.connection = connect(name, rank=rank, role=role, timeout_s=timeout_s, store=exchange.store())
         self.changed = changed  # shared by an actor's insert links: credit from any of them wakes it
         self.granted = 0  # items this actor may have sent in all
         self.sent = 0
@@ -76,7 +76,7 @@ class WeightsLink:
     """The weights link to one learner: at most one pull in flight, its reply received into `flats` by a thread."""
 
     def __init__(self, name: str, rank: int, role: str, timeout_s: float, flats: list[torch.Tensor]) -> None:
-        self.connection = connect(name, rank=rank, role=role, timeout_s=timeout_s)
+        self.connection = connect(name, rank=rank, role=role, timeout_s=timeout_s, store=exchange.store())
         self.flats = flats
         self.asked: float | None = None  # when the pull in flight was sent
         self.latencies: list[float] = []  # seconds from each pull's request to its reply

@@ -37,7 +37,6 @@ from replicator.asynchronous.variables import VariableSource
 from replicator.comm.frames import Frame
 from replicator.comm.peer_link import Peer, PeerLinkError
 from replicator.comm.peer_server import PeerServer
-from replicator.comm.store import job_store
 from replicator.timeline import recorder as timeline
 
 __all__ = ["LearnerService"]
@@ -61,6 +60,7 @@ class LearnerService:
         self.departed: dict[int, dict[str, Any]] = {}
         self.env_steps = [0] * others
         self.inserted = [0] * others
+        self.rejoined: list[dict[str, Any]] = []  # actors taken for dead that joined again: when, first insert when
         self.histogram = torch.zeros(exchange.LAG_BINS + 1, dtype=torch.int64)
         self.done = threading.Event()  # the learners finished their steps
         self.abort: str | None = None
@@ -78,9 +78,9 @@ class LearnerService:
         self._threads: list[threading.Thread] = []
         index = roles.index
         self.inserts = PeerServer(exchange.Keys.insert_link(run, index), rank=roles.rank, role=f"learner {index}",
-                                  timeout_s=timeout_s)
+                                  timeout_s=timeout_s, store=exchange.store())
         self.weights = PeerServer(exchange.Keys.weights_link(run, index), rank=roles.rank, role=f"learner {index}",
-                                  timeout_s=timeout_s)
+                                  timeout_s=timeout_s, store=exchange.store())
         self.pulls: dict[Peer, tuple[int, float]] = {}  # pulls waiting for a copy: the version held, answer by
         # A pull waits for the copy of the learner's next publish point at most this long (a learner stuck in a
         # step), then takes the newest copy there is.
@@ -224,7 +224,9 @@ class LearnerService:
         self.granted[actor] = self.received[actor] = 0
         with self.roster:
             if actor in self.departed:  # taken for dead, yet here: it is back (a restarted actor)
-                del self.departed[actor]
+                self.rejoined.append({"actor": actor, "joined_s": round(time.monotonic() - self.started, 3),
+                                      "first_insert_s": None, "first_insert_at": None,
+                                      "departed": self.departed.pop(actor)})
                 if self.roles.index == 0:
                     print(f"replicator: learner 0: {self.roles.name(actor)} joined again "
                           f"{time.monotonic() - self.started:.1f} s into the run", file=sys.stderr, flush=True)
@@ -266,6 +268,10 @@ class LearnerService:
         if room > 0:
             self.histogram[min(max(self.variables.step - version, 0), exchange.LAG_BINS)] += room
             self.inserted[actor] += room
+            for rejoined in self.rejoined:
+                if rejoined["actor"] == actor and rejoined["first_insert_s"] is None:
+                    rejoined["first_insert_s"] = round(time.monotonic() - self.started, 3)
+                    rejoined["first_insert_at"] = time.time()
         return room
 
     def _commit_kept(self) -> None:
@@ -330,7 +336,7 @@ class LearnerService:
     def _spec(self) -> TransitionSpec:
         if self.shard.spec is not None:
             return self.shard.spec
-        return TransitionSpec.decode(job_store().get(exchange.Keys.spec).decode("ascii"))
+        return TransitionSpec.decode(exchange.store().get(exchange.Keys.spec).decode("ascii"))
 
     # -- the weights thread ----------------------------------------------------------------------------
     def _run_weights(self) -> None:
@@ -419,14 +425,14 @@ class LearnerService:
         lags = ",".join(f"{lag}:{count}" for lag, count in enumerate(self.histogram.tolist()) if count)
         text = (f"{max(self.variables.step, 0)} {limiter.inserts} {limiter.samples} "
                 f"{max(limiter.inserts - limiter.min_size, 0)} {now - self.started:.3f}|{lags}")
-        job_store().set(exchange.Keys.learner(self.roles.index), text)
+        exchange.store().set(exchange.Keys.learner(self.roles.index), text)
 
     def _depart(self, actor: int, how: str, why: str) -> None:
         if actor in self.departed:
             return
         seconds = time.monotonic() - self.started
         with self.roster:
-            self.departed[actor] = {"how": how, "rank": self.roles.actor_rank(actor),
+            self.departed[actor] = {"how": how, "rank": self.roles.actor_rank(actor), "at": time.time(),
                                     "env_steps": self.env_steps[actor], "seconds": round(seconds, 3), "why": why}
             self.alive.discard(actor)
         if self.roles.index == 0:

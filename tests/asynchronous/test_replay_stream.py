@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -21,7 +25,7 @@ from replicator.asynchronous import exchange
 from replicator.comm import frames
 from replicator.comm.peer_link import KEY, connect, hello
 from replicator.comm.store import job_store
-from replicator.testing import run_replicas
+from replicator.testing import ReplicaFailure, run_replicas
 
 SHORT = {"REPLICATOR_TIMEOUT": "30"}
 
@@ -227,3 +231,87 @@ def test_hostile_peers_are_dropped_by_name_and_the_learner_trains_on() -> None:
     assert "not a frame of the peer link" in text, text
     assert "pid " in text and "past the agreed" in text and "(oversize)" in text, text
     assert "(halfway) closed its end of the link in the middle of a frame" in text, text
+
+
+# -- an actor killed and restarted on its own rejoins the running job --------------------------------------------------
+def rejoin_replay() -> rp.Replay:
+    return rp.Replay(capacity=5000, batch_size=8, samples_per_insert=None, min_size=16, seed=5)
+
+
+def joiner_main(started: float) -> None:
+    """The restarted actor 1: a process of its own, outside the torch.distributed world (see rejoin_job); `started`:
+    when its interpreter started, before it imported torch."""
+    model = make_model()
+
+    def actor_fn(actor: rp.ActorContext) -> None:
+        while actor.running and actor.env_steps < 200:
+            fast_actor_step(actor)
+        actor.end_run("the restarted actor's inserts are in")
+        while actor.running:
+            time.sleep(0.01)
+
+    figures = rp.join_actor(actor_fn, model, rejoin_replay(), actor=1, update_period=5)
+    with open(os.environ["JOINER_RESULT"], "w") as file:
+        json.dump({"started": started, **figures}, file)
+
+
+def fast_actor_step(actor: rp.ActorContext) -> None:
+    t = actor.env_steps % 10
+    observation = np.array([t / 10, float(actor.actor_id)], dtype=np.float32)
+    actor.add(observation=observation, action=np.array([0.5], dtype=np.float32), reward=float(t),
+              next_observation=observation + np.float32(0.1), truncated=t == 9)
+
+
+def rejoin_job(directory: str) -> tuple[str, dict[str, Any]]:
+    repl = rp.Replicator(mode="actor_learner", actors=2)
+    replay = rejoin_replay()
+    with repl.scope():
+        model = make_model()
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+
+    def actor_fn(actor: rp.ActorContext) -> None:
+        if actor.actor_id == 1:  # adds a little, starts its replacement, and dies
+            while actor.env_steps < 50:
+                fast_actor_step(actor)
+            here = os.path.dirname(os.path.abspath(__file__))
+            path = os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
+            env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+            start = "import time; s = time.time(); import test_replay_stream as t; t.joiner_main(s)"
+            subprocess.Popen([sys.executable, "-c", start],
+                             env=env | {"PYTHONPATH": path, "JOINER_RESULT": os.path.join(directory, "joiner.json")},
+                             start_new_session=True)
+            with open(os.path.join(directory, "killed"), "w") as file:
+                file.write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        while actor.running:  # actor 0 feeds the learner throughout, slowly
+            fast_actor_step(actor)
+            time.sleep(0.002)
+
+    def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> None:
+        loss = model(torch.cat([batch.observation, batch.action], dim=1)).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    for _ in repl.run(step_fn, repl.prepare_input(replay), steps=10**6, actor_fn=actor_fn, update_period=5):
+        pass
+    return repl.role, repl.last_run["actor_learner"]
+
+
+def test_an_actor_killed_and_restarted_on_its_own_rejoins_and_the_learner_never_stops(tmp_path: Any) -> None:
+    with pytest.raises(ReplicaFailure) as failure:
+        run_replicas(rejoin_job, 3, str(tmp_path), timeout_s=240, env=SHORT)
+    assert [(e.rank, e.kind) for e in failure.value.errors] == [(2, "died")]  # the killed actor, nothing else
+    (_, learner), (_, actor0) = failure.value.results[0], failure.value.results[1]
+    joiner = json.loads((tmp_path / "joiner.json").read_text())
+    # The learner never stopped: the restarted actor ended the run, after its own inserts.
+    assert learner["ended"] == "actor 1 (rank 2) asked to end the run: the restarted actor's inserts are in"
+    assert learner["departed"] == {} and actor0["env_steps"] > 0
+    [rejoined] = learner["rejoined"]
+    assert rejoined["actor"] == 1 and rejoined["first_insert_s"] is not None
+    assert "its link closed" in rejoined["departed"]["why"]  # the death was its end of file, not a timeout
+    assert learner["inserts_by_actor"][1] > 50 and joiner["env_steps"] >= 200 and joiner["transitions_sent"] > 0
+    killed = float((tmp_path / "killed").read_text())
+    print(f"death known {rejoined['departed']['at'] - killed:.3f} s after the kill; the restarted actor's first "
+          f"insert counted {rejoined['first_insert_at'] - joiner['started']:.3f} s after its interpreter started "
+          f"({joiner['seconds']:.1f} s in rp.join_actor)")
