@@ -3,6 +3,8 @@
 Command (from the repository root; about 10-20 minutes on a small machine; figures go to
 benchmarks/results/actor_learner.json):
 
+    .venv/bin/python benchmarks/actor_learner.py --algorithms --replay-repeats 3 --pulls 85000 10000000
+
     .venv/bin/python benchmarks/actor_learner.py                       # D4PG, TD3, DDPG, seeds 0 1 2, the replays
     .venv/bin/python benchmarks/actor_learner.py --algorithms d4pg td3 --seeds 0 --full-curve
     .venv/bin/python benchmarks/actor_learner.py --algorithms --replay-repeats 5   # the replay arm alone
@@ -32,14 +34,22 @@ The peers:
 - Replay throughput: a numpy ring buffer of SB3's design (preallocated arrays, a write position
   and a `full` flag, uniform sampling with replacement, batches handed over as torch tensors):
   single-transition inserts per second and sampled transitions per second (batches of 256), as
-  medians over --replay-repeats repetitions, on Pendulum-sized transitions. Against it,
-  rp.Replay as a job uses it (`replay_job`: 1 learner + 1 actor): inserts per second are an
-  actor's `actor.add()` calls, each of which assembles the transition, packs it, and sends it to
-  the learner's shard over Gloo and waits for the answer (a process boundary the ring buffer
-  does not cross); sampled transitions per second are the learner's batches of 256 through
-  `repl.run` with a step_fn that does nothing (the step loop's own cost included), drawn once
-  every insert is in. Not the same thing as the ring buffer's in-process calls: the gap is the
-  price of the transport and the loop, which is what a user of the regime pays.
+  medians over --replay-repeats repetitions, on Pendulum-sized transitions. Against it, in turns:
+  `rp_replay`, rp.Replay as a job uses it (`replay_job`: 1 learner + 1 actor, limiter off): an
+  actor's `actor.add()` calls per second (and the CPU microseconds of its main thread per call),
+  each staging a transition that is streamed to the learner's shard in chunks over the peer
+  link, then the learner's batches of 256 through `repl.run` with a step_fn that does nothing
+  (the step loop's own cost included), drawn once every insert is in; `rp_replay_limited`, the
+  same with samples_per_insert 1 (min_size 1,000), actor and learner running together, held to
+  the ratio by the limiter's credits (its realised samples per insert and the commits or samples
+  outside the band, counted: 0); `socket_stream`, the same chunks over a Unix socket pair from one
+  process into a numpy ring in another (the transport alone, a floor for the stream's cost);
+  `torchrl_extend`, torchrl's `ReplayBuffer.extend` in one process with chunks of 1,024 (the
+  buffer PyTorch RL users pick; a ceiling; skipped when torchrl is not installed).
+- Weight pulls (`--pulls 85000 10000000`, off by default): learner steps per second, SGD on an
+  MLP of that many parameters (batch 64), with 2 actors that add a transition every millisecond
+  and pull every 10 env steps, against the same actors not pulling, in turns; the paired ratio,
+  the p95 of the pulls' latency (request to reply) and the learner's weight copies.
 """
 
 from __future__ import annotations
