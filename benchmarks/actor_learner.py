@@ -3,11 +3,10 @@
 Command (from the repository root; about 10-20 minutes on a small machine; figures go to
 benchmarks/results/actor_learner.json):
 
-    .venv/bin/python benchmarks/actor_learner.py --algorithms --replay-repeats 3 --pulls 85000 10000000
-
     .venv/bin/python benchmarks/actor_learner.py                       # D4PG, TD3, DDPG, seeds 0 1 2, the replays
     .venv/bin/python benchmarks/actor_learner.py --algorithms d4pg td3 --seeds 0 --full-curve
     .venv/bin/python benchmarks/actor_learner.py --algorithms --replay-repeats 5   # the replay arm alone
+    .venv/bin/python benchmarks/actor_learner.py --algorithms --replay-repeats 3 --pulls 85000 10000000  # + pulls
 
 The library's arm, `d4pg`, runs examples/d4pg.py as its own job (1 learner + 2 actors + the
 evaluator: 4 processes, as `replicator launch -n 4 examples/d4pg.py --actors 2 --learners 1
