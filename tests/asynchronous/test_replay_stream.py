@@ -24,7 +24,6 @@ import replicator as rp
 from replicator.asynchronous import exchange
 from replicator.comm import frames
 from replicator.comm.peer_link import KEY, connect, hello
-from replicator.comm.store import job_store
 from replicator.testing import ReplicaFailure, run_replicas
 
 SHORT = {"REPLICATOR_TIMEOUT": "30"}
@@ -171,7 +170,8 @@ def test_a_learner_copies_its_weights_only_for_pulls_and_at_most_once_a_step() -
 # -- hostile peers at the learner's service ---------------------------------------------------------------------------
 def hostile_actor(actor: rp.ActorContext) -> None:
     """Before acting: four connections to learner 0's insert link that break the rules."""
-    record = json.loads(job_store().get(f"{KEY}address/{exchange.Keys.insert_link(actor.run, 0)}").decode())
+    store = exchange.store()  # where the actor–learner job keeps its links' records and token
+    record = json.loads(store.get(f"{KEY}address/{exchange.Keys.insert_link(actor.run, 0)}").decode())
     address = (record["host"], record["port"])
 
     def raw() -> socket.socket:
@@ -188,11 +188,11 @@ def hostile_actor(actor: rp.ActorContext) -> None:
         sock.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(64))
         sock.recv(1)
     # With the token, a frame whose payload is past the agreed bounds.
-    oversize = connect(exchange.Keys.insert_link(actor.run, 0), rank=-1, role="oversize", timeout_s=10)
+    oversize = connect(exchange.Keys.insert_link(actor.run, 0), rank=-1, role="oversize", timeout_s=10, store=store)
     header = frames.HEADER.pack(frames.MAGIC, frames.VERSION, exchange.CHUNK, 0, 0, 0, 1 << 40)
     oversize.sock.sendall(header)
     # With the token, half a frame, then it stops (closes mid-frame).
-    halfway = connect(exchange.Keys.insert_link(actor.run, 0), rank=-1, role="halfway", timeout_s=10)
+    halfway = connect(exchange.Keys.insert_link(actor.run, 0), rank=-1, role="halfway", timeout_s=10, store=store)
     header = frames.HEADER.pack(frames.MAGIC, frames.VERSION, exchange.CHUNK, 0, 0, 3, 1000)
     halfway.sock.sendall(header + b"\x01\x00")
     halfway.close()
