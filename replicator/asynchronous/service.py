@@ -20,6 +20,7 @@ heartbeat in the job's store stops.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -295,11 +296,17 @@ class LearnerService:
             self.window = WINDOW_CHUNKS * chunk_rows(self.shard.spec)
         changed: set[int] = set()
         if actors and not self.done.is_set():
+            limiter = self.shard.limiter
             with self.shard.lock:
-                room = self.shard.limiter.insert_room() - self.kept_items
-            # Each feeder may send up to the room the limiter has now, whatever the others hold: a slow actor's credit
-            # does not starve a fast one. What arrives past the room is kept and committed as the room opens.
-            target = min(room, self.window)
+                room = limiter.insert_room() - self.kept_items
+            # Each feeder may have up to a share of the limiter's band in flight, whatever the others hold: a slow
+            # actor's credit does not starve a fast one, and what arrives past the room (kept, committed as the room
+            # opens, then counted as older experience) stays within about one band.
+            share = self.window
+            if limiter.samples_per_insert is not None:
+                band = limiter.error_buffer / limiter.samples_per_insert
+                share = min(self.window, max(1, math.ceil(band / len(actors))))
+            target = min(room, share)
             for actor in actors:
                 if self.received[actor] + target > self.granted[actor]:
                     self.granted[actor] = self.received[actor] + target
