@@ -146,7 +146,8 @@ class ActorLearnerRegime(Regime):
             self.variables = VariableSource(self.models.modules)
             if self.roles.index == 0:
                 exchange.store().set(exchange.Keys.layout, "\n".join(self.variables.layout.described))
-        self.variables.publish(self.optimizers.state.step, force=True)  # the actors' first pull takes it at once
+        with timeline.span("publish weights", "learner", step=self.optimizers.state.step):
+            self.variables.publish(self.optimizers.state.step, force=True)  # the actors' first pull takes it at once
         self.stopped, self.sample_wait_s = None, 0.0
         self.drawn, self.end_at, self.ended = 0, None, None
         self.service = LearnerService(self.roles, self.runs, replay.shard, self.variables, self.job.timeout_s)
@@ -182,7 +183,9 @@ class ActorLearnerRegime(Regime):
                     if self._ending():
                         return
                     shard.lock.wait(0.05)
-                    variables.publish(step)  # a pull may wait while this learner waits for experience
+                    if variables.wanted:  # a pull may wait while this learner waits for experience
+                        with timeline.span("publish weights", "learner", step=step):
+                            variables.publish(step)
                 self.sample_wait_s += time.monotonic() - waited
                 batch = shard.sample()
                 service.sampled()
