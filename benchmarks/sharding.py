@@ -5,6 +5,13 @@ benchmarks/results/sharding.json):
 
     .venv/bin/python benchmarks/sharding.py --repeats 15 --steps 4
 
+The issue's targets: "optimizer" and "gradients" within 1.05x of shard=None and faster than ZeroRedundancyOptimizer +
+DDP and than FSDP2 with reshard_after_forward=False (ZeRO-2's counterpart); "parameters" faster than FSDP2 with
+reshard_after_forward=True (ZeRO-3's), the same units.
+
+`--only parameters,fsdp2` times those contenders alone (keys: none, optimizer, gradients,
+parameters, zero, ddp, fsdp2, fsdp2-kept), e.g. ZeRO-3 against FSDP2 in a shorter run.
+
 Every contender (plain torch DDP too, for scale) trains its own copy of the same MLP with AdamW
 inside the same N processes, on the same fixed batches, in short phases that take turns (the order rotates every
 repetition); a paired ratio is the median over repetitions of the two contenders' step times
@@ -44,6 +51,10 @@ TORCH_ZERO = "torch DDP + ZeroRedundancyOptimizer"
 TORCH_DDP = "torch DDP"  # unsharded, for scale
 ZERO3 = "replicator shard='parameters'"
 TORCH_FSDP2 = "torch FSDP2 (fully_shard)"
+# ZeRO-2's peer in FSDP2: parameters kept gathered from forward to backward, gradients reduce-scattered.
+TORCH_FSDP2_KEPT = "torch FSDP2 (reshard_after_forward=False)"
+KEYS = {BASELINE: "none", "replicator shard='optimizer'": "optimizer", "replicator shard='gradients'": "gradients",
+        ZERO3: "parameters", TORCH_ZERO: "zero", TORCH_DDP: "ddp", TORCH_FSDP2: "fsdp2", TORCH_FSDP2_KEPT: "fsdp2-kept"}
 
 
 @dataclass(frozen=True)
@@ -103,7 +114,7 @@ def _state_counter(repl: rp.Replicator, optimizer: torch.optim.Optimizer) -> Cal
     return lambda: wrapped.sharded.state_bytes() if wrapped.sharded is not None else state_bytes(optimizer)
 
 
-def replica(config: Config) -> dict[str, Any]:
+def replica(config: Config, only: tuple[str, ...]) -> dict[str, Any]:
     torch.set_num_threads(config.threads)
     steps: dict[str, Callable[[Batch], None]] = {}
     models: dict[str, torch.nn.Module] = {}
@@ -121,6 +132,12 @@ def replica(config: Config) -> dict[str, Any]:
     zero = ZeroRedundancyOptimizer(plain.parameters(), optimizer_class=torch.optim.AdamW, lr=config.lr)
     models[TORCH_ZERO], steps[TORCH_ZERO] = plain, trainer(ddp, zero)
     held[TORCH_ZERO] = lambda: state_bytes(zero.optim)
+    kept = make_model(config)  # the units shard="parameters" and the other FSDP2 arm use
+    for layer in [*(layer for layer in kept if isinstance(layer, torch.nn.Linear)), kept]:
+        fully_shard(layer, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"), reshard_after_forward=False)
+    kept_optimizer = torch.optim.AdamW(kept.parameters(), lr=config.lr)
+    models[TORCH_FSDP2_KEPT], steps[TORCH_FSDP2_KEPT] = kept, trainer(kept, kept_optimizer)
+    held[TORCH_FSDP2_KEPT] = lambda: state_bytes(kept_optimizer)
     whole = make_model(config)
     whole_optimizer = torch.optim.AdamW(whole.parameters(), lr=config.lr)
     whole_ddp = torch.nn.parallel.DistributedDataParallel(whole)
@@ -129,12 +146,13 @@ def replica(config: Config) -> dict[str, Any]:
     fsdp2 = make_model(config)  # the same units as shard="parameters" (every direct child holding parameters)
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     for layer in fsdp2:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
+        if isinstance(layer, torch.nn.Linear):  # gathered in forward, freed, gathered again in backward: ZeRO-3
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(fsdp2, mesh=mesh)
     fsdp2_optimizer = torch.optim.AdamW(fsdp2.parameters(), lr=config.lr)
     models[TORCH_FSDP2], steps[TORCH_FSDP2] = fsdp2, trainer(fsdp2, fsdp2_optimizer)
     held[TORCH_FSDP2] = lambda: state_bytes(fsdp2_optimizer)
+    timed = [name for name in steps if KEYS[name] in only]
     batches = make_batches(config, dist.get_rank())
     cursor = dict.fromkeys(steps, 0)
 
@@ -145,8 +163,8 @@ def replica(config: Config) -> dict[str, Any]:
             if stamps is not None:
                 stamps.append(time.perf_counter())
 
-    figures: dict[str, dict[str, list[float]]] = {name: {"step_ms": [], "cpu_ms": []} for name in steps}
-    for _, name in in_turns(list(steps), config.repeats):
+    figures: dict[str, dict[str, list[float]]] = {name: {"step_ms": [], "cpu_ms": []} for name in timed}
+    for _, name in in_turns(timed, config.repeats):
         phase(name, config.warmup)
         dist.barrier()
         stamps: list[float] = []
@@ -156,10 +174,13 @@ def replica(config: Config) -> dict[str, Any]:
         times = [later - earlier for earlier, later in zip([started, *stamps], stamps)]
         figures[name]["step_ms"].append(1e3 * slowest_rank(statistics.median(times)))
         figures[name]["cpu_ms"].append(1e3 * cpu / config.steps)
-    flat = {name: torch.cat([gathered(p).reshape(-1) for p in model.parameters()]) for name, model in models.items()}
-    same = {name: bool(torch.equal(flat[name], flat[BASELINE])) for name in flat if name.startswith("replicator")}
-    same[f"{ZERO3} to {TORCH_FSDP2}"] = bool(torch.equal(flat[ZERO3], flat[TORCH_FSDP2]))
-    return {"figures": figures, "state_bytes": {name: count() for name, count in held.items()},
+    # The timed contenders took the same steps on the same batches: those can be compared bit for bit.
+    flat = {name: torch.cat([gathered(p).reshape(-1) for p in models[name].parameters()]) for name in timed}
+    same = {name: bool(torch.equal(flat[name], flat[BASELINE])) for name in flat
+            if name.startswith("replicator") and BASELINE in flat}
+    if ZERO3 in flat and TORCH_FSDP2 in flat:
+        same[f"{ZERO3} to {TORCH_FSDP2}"] = bool(torch.equal(flat[ZERO3], flat[TORCH_FSDP2]))
+    return {"figures": figures, "state_bytes": {name: count() for name, count in held.items() if name in timed},
             "bit_equal_to_unsharded": same, "parameters": sum(p.numel() for p in models[BASELINE].parameters())}
 
 
@@ -169,20 +190,26 @@ def main() -> None:
         parser.add_argument(f"--{field}", type=type(default), default=default)
     parser.add_argument("--glibc-default", action="store_true",
                         help="leave glibc's heap settings at their defaults (replicator launch keeps the heap)")
+    parser.add_argument("--only", default=",".join(KEYS.values()),
+                        help=f"the contenders to time, comma-separated among {', '.join(KEYS.values())}")
     add_json_argument(parser, "sharding")
     arguments = parser.parse_args()
-    config = Config(**{k: v for k, v in vars(arguments).items() if k not in ("json", "glibc_default")})
+    only = tuple(arguments.only.split(","))
+    unknown = sorted(set(only) - set(KEYS.values()))
+    if unknown:
+        parser.error(f"unknown contenders {unknown}; choose among {', '.join(KEYS.values())}")
+    config = Config(**{k: v for k, v in vars(arguments).items() if k not in ("json", "glibc_default", "only")})
     header = machine()
     print(machine_line(header))
     if not arguments.glibc_default:  # as `replicator launch` runs replicas; every contender shares the processes
         os.environ.update(heap_kept_environment())
-    results = run_replicas(replica, config.replicas, config, timeout_s=1800)
+    results = run_replicas(replica, config.replicas, config, only, timeout_s=1800)
     first = results[0]
     step_ms = {name: series["step_ms"] for name, series in first["figures"].items()}
     # Lower is better for times: compare() ratios are value / peer, so < 1 means faster than the peer.
     report: dict[str, Any] = {"config": asdict(config), "parameters": first["parameters"], "contenders": {},
-                              "heap_kept": not arguments.glibc_default}
-    for peer in (BASELINE, TORCH_ZERO, TORCH_FSDP2):
+                              "heap_kept": not arguments.glibc_default, "only": list(only)}
+    for peer in [name for name in (BASELINE, TORCH_ZERO, TORCH_FSDP2_KEPT, TORCH_FSDP2) if name in step_ms]:
         comparison = compare(step_ms, peer)
         print(f"\nstep time (ms, slowest replica; median [min, max] over {config.repeats} turns) against {peer}:")
         for name, figures in comparison.items():

@@ -350,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         raise SystemExit(launch_job(args, argv))
     torch.set_num_threads(1)  # small networks: more threads only add synchronisation
 
-    repl = rp.Replicator(mode="actor_learner", actors=args.actors, evaluator=True)
+    repl = rp.Replicator(mode=rp.ActorLearner(actors=args.actors, evaluator=True))
     who = f"{repl.role} (rank {repl.topology.rank})"
     learners = repl.topology.world_size - args.actors - 1
     if args.learners is not None and args.learners != learners:

@@ -11,18 +11,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from replicator import _env
-from replicator.asynchronous import AsyncSettings, OuterOptimizer, diloco_for
-from replicator.asynchronous.actor_learner import Roles, job_shape, regime_for, serves_this_run
+from replicator.asynchronous.actor_learner import serves_this_run
+from replicator.asynchronous.modes import ActorLearner, DiLoCo, ParameterServers, mode_name, training_mode
 from replicator.cadence import Cadence, Hooks
 from replicator.context import InputContext, ReplicaContext
 from replicator.epochs import InputPosition
-from replicator.errors import ReplicatorUsageError
 from replicator.health import check_nonfinite_policy
 from replicator.inputs import ReplicatedInput
 from replicator.job import Job, announced
 from replicator.loop import Observer, StepLoop
 from replicator.pipeline.randomness import seed_stage
-from replicator.pipeline.recompute import resolve_recompute
+from replicator.pipeline.recompute import check_pipeline_arguments
 from replicator.record import RunRecord
 from replicator.run_arguments import agree_on_run_arguments
 from replicator.scope import ModelScope
@@ -48,11 +47,10 @@ class Replicator:
     """Runs single-device `input_fn`/`step_fn` code on every replica of the job.
 
     Args:
-        reducer: how gradient buckets are summed across replicas: "auto" (the default: through shared memory
-            when every replica is on this node and on CPU, hierarchical across CPU nodes, else one all-reduce),
-            "flat" (one all-reduce), "shm", "hierarchical" (DDL-style, per node then across nodes),
-            "hierarchical:XxYxZ", "fp16"/"bf16" (+"+ef" error feedback), "powersgd:R" — see
-            replicator.sync.reducers.REDUCER_NAMES — or an object with `reduce(buffer, group, bucket)`.
+        reducer: how gradient buckets are summed: "auto" (the default: shared memory when every replica is on this
+            node and on CPU, hierarchical across CPU nodes, else one all-reduce), "flat" (one all-reduce), "shm",
+            "hierarchical[:XxYxZ]" (DDL-style, per node then across nodes), "fp16"/"bf16" (+"+ef" error feedback),
+            "powersgd:R" (replicator.sync.reducers.REDUCER_NAMES), or an object with `reduce(buffer, group, bucket)`.
         bucket_cap_mb: gradient bucket size; larger buckets mean fewer, bigger messages.
         timeout_s: a collective that waits longer raises instead of hanging (default 300 s, or REPLICATOR_TIMEOUT).
         debug: fingerprint every collective, gradient buckets included, and leave a trail of each replica's last
@@ -71,10 +69,8 @@ class Replicator:
         chunks: micro-batches per batch; schedule: "gpipe", "1f1b", "interleaved" (virtual_stages >= 2), "zero_bubble".
         recompute: which stages re-materialize activations: "always", "except_last" or "never" (`checkpoint=` is
             its old, deprecated name).
-        mode: "sync" (default); "diloco" (sync groups of G train apart for `outer_every` steps, then `outer_optimizer`
-            applies their mean pseudo-gradient); "async" (the last `parameter_servers` processes serve, groups of G
-            push and pull at most `max_staleness` behind); "actor_learner" (actors, evaluator). See
-            docs/concepts/asynchronous.md.
+        mode: "sync" (default), rp.ParameterServers(...), rp.DiLoCo(...) or rp.ActorLearner(...) (docs/concepts/
+            asynchronous.md); mode="async", "diloco" or "actor_learner" with their arguments as keywords is deprecated.
     """
 
     def __init__(
@@ -84,35 +80,26 @@ class Replicator:
         reducer: str | Reducer = "auto", bucket_cap_mb: float = 25.0, precision: str | Precision = "fp32",
         timeout_s: float | None = None, debug: bool | None = None, nonfinite: str = "raise", shard: str | None = None,
         uneven_batches: str | Callable[[Any], int] = "refuse", sparse_as_dense: bool = False,
-        recompute: str = "except_last", checkpoint: str | None = None, mode: str = "sync", sync_group_size: int = 1,
-        outer_every: int | None = None, outer_optimizer: OuterOptimizer | None = None,
-        parameter_servers: int = 0, max_staleness: int | None = None, actors: int = 0, evaluator: bool = False,
+        recompute: str = "except_last", checkpoint: str | None = None,
+        mode: str | ParameterServers | DiLoCo | ActorLearner = "sync", **deprecated: Any,  # sync_group_size=, ...
     ) -> None:
-        self.arguments = {key: value for key, value in locals().items() if key != "self"}  # as given: for run records
-        recompute = resolve_recompute(recompute, checkpoint)  # checkpoint= warns: saved state is run(checkpoint_*)
-        if stages < 1 or chunks < 1:
-            raise ReplicatorUsageError(f"stages and chunks must be at least 1, got stages={stages}, chunks={chunks}")
+        given = {key: value for key, value in locals().items() if key not in ("self", "deprecated")}
+        self.arguments = {**given, **deprecated}  # as given: for run records
+        recompute = check_pipeline_arguments(stages, chunks, recompute, checkpoint)  # checkpoint=: deprecated
         check_nonfinite_policy(nonfinite)
-        precision, shard = Precision.of(precision), check_shard(shard, mode, stages, precision)  # before the job starts
-        settings = AsyncSettings.of(mode, parameter_servers, sync_group_size, max_staleness, stages)
-        roles = Roles.of(mode, actors, evaluator, stages)  # actor_learner's learners, actors and evaluator
-        self.job = job = Job.start(stages=stages, timeout_s=timeout_s, debug=debug,  # DiLoCo regroups on its own
-                                   **job_shape(roles, parameter_servers, sync_group_size if settings else 1))
-        # Who am I, read off the job once: none of it changes while the job lives.
+        precision, shard = Precision.of(precision), check_shard(shard, mode_name(mode), stages, precision)
+        self.mode = training_mode(mode, stages, deprecated)  # the mode's keywords beside it: deprecated
+        self.job = job = Job.start(stages=stages, timeout_s=timeout_s, debug=debug, **self.mode.job_shape())
         self.topology, self.groups, self.device, self.context = job.topology, job.groups, job.device, job.context
         mesh = job.mesh
         self.replica_id, self.num_replicas, self.stage_id = mesh.replica_id, mesh.num_replicas, mesh.stage_id
-        self.agreement, self.debug = job.agreement, job.debug
-        self.is_main = job.topology.rank == 0  # the one process that should log, print and save
+        self.agreement, self.debug, self.is_main = job.agreement, job.debug, job.topology.rank == 0  # is_main logs
         self.num_stages, self.chunks, self.schedule, self.recompute = stages, chunks, schedule, recompute
         self.virtual_stages = virtual_stages
-        self.diloco = diloco_for(job, "sync" if roles else mode, sync_group_size, outer_every, outer_optimizer, reducer,
-                                 uneven_batches)
-        synced = self.diloco.inner_groups if self.diloco else self.groups  # DiLoCo averages inside a sync group
-        reducer = "flat" if (settings or roles) and reducer == "auto" else reducer  # a role group, not the node
-        self.reducer = make_reducer(reducer, synced, timeout_s=job.timeout_s, device=self.device)
+        synced = self.mode.synced(job, reducer, uneven_batches)  # DiLoCo averages inside a sync group
+        self.reducer = make_reducer(self.mode.reducer(reducer), synced, timeout_s=job.timeout_s, device=self.device)
         job.close_with(self.reducer)
-        models = self.models = ModelScope(self.groups, self.device, job.replica_agreement, shard)
+        models = self.models = ModelScope(self.groups, self.device, job.replica_agreement, shard, job)
         self.optimizers = SyncedOptimizers(adopt=self.models.adopt,
             context=self.context, group=synced.replica, agreement=job.replica_agreement,
             reducer=self.reducer, bucket_cap_bytes=int(bucket_cap_mb * (1 << 20)), nonfinite=nonfinite,
@@ -121,15 +108,15 @@ class Replicator:
         self.skipped_steps = self.optimizers.skipped_steps  # steps whose update nonfinite="skip" or fp16 dropped
         self.optimizers.state.configure(uneven_batches, sparse_as_dense, models.modules)
         self.guard = ReplicaGuard(job.replica_agreement, self.optimizers, self._trained_modules, models.tensor_names,
-                                  optimizer_state=self.diloco is None)  # DiLoCo's groups keep their inner state
+                                  optimizer_state=self.mode.replicas_share_optimizer_state)
         self.last_run: dict[str, Any] = {}
         self.record = RunRecord()  # the latest run()'s: its `directory` on the main process, else None
         self._stages: list[PipelineStage] = []
         self._input = InputPosition(self.replica_id, self.num_replicas, self.device, self.is_main, stages)
         self._restored = False
-        # The regime does nothing in sync mode; role: "learner", "actor" or "evaluator" in mode="actor_learner".
-        self.regime, self.role = regime_for(roles, settings, job, self.optimizers, models, self._input,
-                                            self._checkpoint_objects)
+        # What run(), save() and restore() hand the mode's work to; role: "replica", "server", "learner", ...
+        self.regime, self.role = self.mode.regime(job, self.optimizers, models, self._input,
+                                                  self._checkpoint_objects, self.reducer)
 
     @property
     def nonfinite(self) -> str:
@@ -160,9 +147,9 @@ class Replicator:
     def scope(self, shard_policy: Callable[[str, torch.nn.Module], bool] | None = None) -> Iterator[Replicator]:
         """Build the model and optimizers inside this block.
 
-        Modules created here are placed on this replica's device and, when the block ends, every replica's
-        parameters and buffers are overwritten with replica 0's, so all replicas start identical however they
-        were seeded. shard="parameters" then shards them: `shard_policy(name, submodule)` picks the units.
+        Modules created here are placed on this replica's device and, when the block ends, every replica's parameters
+        and buffers are overwritten with replica 0's, so all replicas start identical however they were seeded.
+        shard="parameters" then shards them: `shard_policy(name, submodule)` picks the units.
         """
         built = len(self._stages)
         with self.models.block(self.optimizers.parameters, self.optimizers.take_sharded, shard_policy):
@@ -174,9 +161,9 @@ class Replicator:
         """Average the optimizer's gradients across replicas before it updates.
 
         Returns the same optimizer object (so LR schedulers and state_dict work as usual). Reductions start during
-        backward, bucket by bucket, and the backward pass ends with the averages in `.grad`; `step()` averages
-        whatever no backward pass reached. Parameter groups added later with `optimizer.add_param_group` start
-        from replica 0's values too.
+        backward, bucket by bucket, and the backward pass ends with the averages in `.grad`; `step()` averages whatever
+        no backward pass reached. Parameter groups added later with `optimizer.add_param_group` start from replica 0's
+        values too.
         """
         self.models.check_wrappable(optimizer)
         return self.optimizers.wrap(optimizer, self.models.tensor_names, self.models.names())
@@ -184,8 +171,8 @@ class Replicator:
     def broadcast_state(self, *objects: torch.nn.Module | torch.optim.Optimizer) -> None:
         """Copy replica 0's parameters and buffers (modules) and state and options (optimizers) to every replica.
 
-        For state loaded on replica 0 only (Horovod's recipe); every replica calls it. run() refuses
-        to start while the replicas' parameters or optimizer states differ.
+        For state loaded on replica 0 only (Horovod's recipe); every replica calls it. run() refuses to start while the
+        replicas' parameters or optimizer states differ.
         """
         broadcast_state(objects, self.groups, self.job.replica_agreement, self.models.names())
 
@@ -199,19 +186,17 @@ class Replicator:
 
         Every process builds the whole model the same way (on the meta device too: then reset_parameters() and
         `init(layer)` give this stage's layers values); only the stage's share stays alive. Call
-        `pipe.train_step(inputs, targets, loss_fn)` in step_fn and wrap an optimizer over `pipe.parameters()`:
-        gradients are averaged across each stage's replicas. `balance`: layer counts, "params", or "time" (on `sample`).
+        `pipe.train_step(inputs, targets, loss_fn)` in step_fn and wrap an optimizer over `pipe.parameters()`: gradients
+        are averaged across each stage's replicas. `balance`: layer counts, "params", or "time" (on `sample`).
         """
         from replicator.pipeline import build_pipeline, job_hooks
 
         hooks = job_hooks(self.no_sync, self.optimizers, self.job.agreement, self.job.mesh, self.precision.scale_losses)
-        stage = build_pipeline(
-            layers, stage_id=self.stage_id, num_stages=self.num_stages, balance=balance,
+        stage = build_pipeline(layers, stage_id=self.stage_id, num_stages=self.num_stages, balance=balance,
             stage_ranks=self.groups.stage_ranks, stage_group=self.groups.stage, chunks=self.chunks,
             schedule=self.schedule, recompute=self.recompute, device=self.device, sample=sample,
-            deferred_batchnorm=deferred_batchnorm, balance_group=self.groups.control,
-            replica=self.replica_id, hooks=hooks, virtual_stages=self.virtual_stages, init=init,
-        )
+            deferred_batchnorm=deferred_batchnorm, balance_group=self.groups.control, replica=self.replica_id,
+            hooks=hooks, virtual_stages=self.virtual_stages, init=init)
         self.models.keep_stage(layers, stage.module)  # else the scope would keep the other stages' layers alive
         self._stages.append(stage)
         if not self.models.is_open:
@@ -222,11 +207,11 @@ class Replicator:
     def accumulate(self, micro_steps: int, *, epoch_end: str = "carry") -> None:
         """Accumulate gradients over `micro_steps` calls of step_fn before each update.
 
-        step_fn stays as for one batch (zero_grad, backward, step): zero_grad and step take effect every
-        `micro_steps` calls, only the last backward communicates, and the update uses the mean over all
-        micro-batches of all replicas. An update part way when an epoch ends: `epoch_end="carry"` (the default:
-        every update averages `micro_steps`) goes on with it in the next epoch; "flush" (Accelerate's) updates on
-        the micro-batches so far at each epoch's end, so that repl.save() works after run(epochs=...).
+        step_fn stays as for one batch (zero_grad, backward, step): zero_grad and step take effect every `micro_steps`
+        calls, only the last backward communicates, and the update uses the mean over all micro-batches of all replicas.
+        An update part way when an epoch ends: `epoch_end="carry"` (the default: every update averages `micro_steps`)
+        goes on with it in the next epoch; "flush" (Accelerate's) updates on the micro-batches so far at each epoch's
+        end, so that repl.save() works after run(epochs=...).
         """
         self.optimizers.accumulate(micro_steps, epoch_end)
 
@@ -238,16 +223,16 @@ class Replicator:
                         norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip by the global norm of the *averaged* gradients of all stages, as one process would.
 
-        Call it between backward and optimizer.step(), on every stage. During an accumulation
-        micro-step (when no update follows) it does nothing and returns None.
+        Call it between backward and optimizer.step(), on every stage. During an accumulation micro-step (when no update
+        follows) it does nothing and returns None.
         """
         return self.optimizers.clip_grad_norm_(parameters, max_norm, norm_type, shards=self.groups.stage)
 
     def sync_buffers(self) -> None:
         """Average the buffers (BatchNorm running statistics) over this stage's replicas, on every replica.
 
-        run() does it when it ends (not after a `break`), save() before writing; call it before evaluating
-        mid-run. Integer buffers take replica 0's values; buffers equal everywhere stay bit for bit.
+        run() does it when it ends (not after a `break`), save() before writing; call it before evaluating mid-run.
+        Integer buffers take replica 0's values; buffers equal everywhere stay bit for bit.
         """
         average_buffers(self._trained_modules(), self.groups.replica, self.job.replica_agreement)
 
@@ -265,18 +250,18 @@ class Replicator:
             timeline: bool | str | os.PathLike[str] | None = None) -> Iterator[tuple[int, Any]]:
         """Run `step_fn(ctx, batch)` on every replica; yield `(step, output)` for each step.
 
-        `inputs`: `repl.prepare_input(input_fn)`, a DataLoader (split across replicas) or any iterable of this
-        replica's batches. The run ends, on every replica at the same step, once `steps` steps or `epochs` passes
-        (each telling the sampler its epoch; neither: one pass) of the whole training are done, restored ones
-        included. `repl.last_run` holds its figures. In mode="actor_learner" actors and the evaluator call
-        `actor_fn(actor)` (actors pull weights every `update_period` env steps) and yield nothing.
+        `inputs`: `repl.prepare_input(input_fn)`, a DataLoader (split across replicas) or any iterable of this replica's
+        batches. The run ends, on every replica at the same step, once `steps` steps or `epochs` passes (each telling
+        the sampler its epoch; neither: one pass) of the whole training are done, restored ones included.
+        `repl.last_run` holds its figures. In mode="actor_learner" actors and the evaluator call `actor_fn(actor)`
+        (actors pull weights every `update_period` env steps) and yield nothing.
 
-        With `checkpoint_dir`, a fresh Replicator first resumes from the newest complete checkpoint there
-        (parameters, optimizers, schedulers, step, epoch and place in it, random generators) without reading the
-        batches before that place; with `checkpoint_every=N` it saves after every N-th step and when the run
-        completes, keeping `keep`. `every={N: hook}` calls `hook(global_step)` on every replica after every N-th step.
-        The main process records the run (`repl.record`) in runs/<time>-<name>, `record` (a path) or not (False).
-        `timeline=True` (or a file path, or REPLICATOR_TIMELINE=1) writes every process's spans as one Chrome trace.
+        With `checkpoint_dir`, a fresh Replicator first resumes from the newest complete checkpoint there (parameters,
+        optimizers, schedulers, step, epoch and place in it, random generators) without reading the batches before that
+        place; with `checkpoint_every=N` it saves after every N-th step and when the run completes, keeping `keep`.
+        `every={N: hook}` calls `hook(global_step)` on every replica after every N-th step. The main process records the
+        run (`repl.record`) in runs/<time>-<name>, `record` (a path) or not (False). `timeline=True` (or a file path, or
+        REPLICATOR_TIMELINE=1) writes every process's spans as one Chrome trace.
         """
         agree_on_run_arguments(self, steps, epochs, checkpoint_every, checkpoint_dir)  # checked, then agreed
         cadence = Cadence(every, checkpoint_every, checkpoint_dir, self._save_step, keep,
@@ -297,13 +282,11 @@ class Replicator:
         self.optimizers.set_on_wait(times.add_communication)
         self.regime.begin(times.add_communication)  # async: the servers' parameters, and updates through them
         self.guard.require_identical("at the start of run()")  # parameters, buffers and optimizer state
-        observers: list[Observer] = [times, Progress(steps, enabled=show), self.guard.watch_gradients(), self.record,
-                                     *cadence.observers]  # every= hooks, then checkpoints
-        if self.diloco is not None:  # first: its outer step is part of the step that the others see end
-            observers.insert(0, self.diloco.begin(self.optimizers, times.add_after_step, checkpoint_every))
+        observers: list[Observer] = [*self.regime.observers(times.add_after_step, checkpoint_every), times,  # DiLoCo's
+            Progress(steps, enabled=show), self.guard.watch_gradients(), self.record, *cadence.observers]
         loop = StepLoop(self.job.agreement, self.context, self.optimizers.state, self.nonfinite, self.precision)
         outcome = yield from loop.run(step_fn, self._input.begin(inputs, epochs, steps), steps, observers)
-        figures = self.diloco.finish(self.reducer, self.optimizers, show) if self.diloco is not None else {}
+        figures = self.regime.end_steps(show)  # DiLoCo: a round cut short is closed before the final checkpoint
         cadence.finish(outcome.steps, self.regime.saves_at_the_end, self.optimizers.mid_accumulation(), self.print)
         self.sync_buffers()
         self.guard.require_identical("at the end of run()")
@@ -317,11 +300,10 @@ class Replicator:
              extra: dict[str, Any] | None = None) -> Path:
         """Checkpoint the training: every process calls it, between steps.
 
-        Saved: the modules built in repl.scope() (or this process's pipeline stage),
-        wrapped optimizers and schedulers, `global_step`, the input position and every
-        replica's random generators; `extra` is any JSON-able metadata. The write is atomic
-        (a crash leaves the previous checkpoint intact); `keep` prunes `path`'s directory
-        to the newest `keep` checkpoints. See replicator.checkpoint.
+        Saved: the modules built in repl.scope() (or this process's pipeline stage), wrapped optimizers and schedulers,
+        `global_step`, the input position and every replica's random generators; `extra` is any JSON-able metadata. The
+        write is atomic (a crash leaves the previous checkpoint intact); `keep` prunes `path`'s directory to the newest
+        `keep` checkpoints. See replicator.checkpoint.
         """
         objects = self._checkpoint_objects()  # first: DiLoCo refuses to save in the middle of a round
         self.optimizers.refuse_mid_accumulation("repl.save()")
@@ -337,8 +319,8 @@ class Replicator:
     def restore(self, path: str | os.PathLike[str]) -> Restored:
         """Load a checkpoint written with any replica count (and stage split of the same model).
 
-        The next run() continues from its step and input position. A checkpoint of another
-        model raises CheckpointMismatchError on every process, naming the keys that differ.
+        The next run() continues from its step and input position. A checkpoint of another model raises
+        CheckpointMismatchError on every process, naming the keys that differ.
         """
         restored = self.regime.restore(path, self._checkpoint_objects(path))
         self.optimizers.restart_counts()
@@ -350,10 +332,9 @@ class Replicator:
     def _checkpoint_objects(self, restoring: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         from replicator.checkpoint.training import training_objects
 
-        objects = training_objects([stage.module for stage in self._stages], self.models.modules,
-                                   [w.optimizer for w in self.optimizers.wrapped], list(self.optimizers.schedulers),
-                                   self.job.mesh, self.groups.control, self.precision.states())
-        return self.diloco.checkpoint_objects(objects, self.optimizers, restoring) if self.diloco else objects
+        stages, optimizers = [stage.module for stage in self._stages], [w.optimizer for w in self.optimizers.wrapped]
+        return self.regime.checkpoint_objects(training_objects(stages, self.models.modules, optimizers,  # DiLoCo: more
+            list(self.optimizers.schedulers), self.job.mesh, self.groups.control, self.precision.states()), restoring)
 
     def _trained_modules(self) -> list[torch.nn.Module]:
         """The modules built in scope(), or this process's pipeline stages."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.modules import module as module_hooks
@@ -12,9 +12,15 @@ from torch.nn.parameter import is_lazy
 
 from replicator.comm.agreement import Agreement
 from replicator.errors import ReplicatorUsageError
+from replicator.heap import return_freed_blocks
 from replicator.identity import broadcast_from_first, require_same_layout
 from replicator.sync.fsdp import ShardPolicy, is_sharded, shard_modules
+from replicator.sync.fsdp_collectives import FsdpCollectives, custom_collectives_available
+from replicator.sync.fsdp_init import build_sharded, is_meta
 from replicator.topology import Mesh, ProcessGroups
+
+if TYPE_CHECKING:
+    from replicator.job import Job
 
 __all__ = ["ModelScope"]
 
@@ -58,9 +64,13 @@ class ModelScope:
     """The modules built in `repl.scope()` blocks, with their tensors' names for error messages."""
 
     def __init__(self, groups: ProcessGroups, device: torch.device, agreement: Agreement,
-                 shard: str | None = None) -> None:
+                 shard: str | None = None, job: Job | None = None) -> None:
         self.groups = groups
         self.shard = shard  # "parameters": the block's modules are sharded with FSDP2 when it ends
+        self.job = job  # its timeout, and its close() for the sharded units' collectives
+        if shard == "parameters" and device.type == "cpu":
+            return_freed_blocks()  # else the units' gathered blocks stay resident (replicator.heap)
+        self.collectives: FsdpCollectives | None = None  # built when the first block is sharded
         self.agreement = agreement  # among this stage's replicas, who build and copy the same model
         self.mesh: Mesh = groups.mesh
         self.device = device
@@ -108,13 +118,39 @@ class ModelScope:
             for handle in handles:
                 handle.remove()
             self._open = None
-        self._finish(block, optimized())
+        successors = self._build_meta(block, policy)
+        self._finish(block, [t for t in optimized() if id(t) not in successors])
         if self.shard == "parameters" and self.groups.replica is not None and self.mesh.num_replicas > 1:
-            successors = shard_modules(block.roots(), self.groups.replica, self.device, policy)
+            successors.update(shard_modules(block.roots(), self.groups.replica, self.device, policy))
             for old, new in successors.items():  # the sharded parameters keep the names errors give
                 if old in self.tensor_names:
                     self.tensor_names[id(new)] = self.tensor_names[old]
+            self._plug_collectives(block.roots())
             sharded(successors)
+
+    def _plug_collectives(self, roots: list[torch.nn.Module]) -> None:
+        """shard="parameters": the units' all-gathers and reduce-scatters on replicator's collectives, each agreed on
+        by the replicas first (replicator.sync.fsdp_collectives); FSDP2's own where torch cannot replace them."""
+        if self.job is None or not custom_collectives_available():
+            return
+        if self.collectives is None:  # every replica shards its first block at the same point: build it together
+            self.collectives = FsdpCollectives.build(self.groups, self.device, self.agreement, self.job.timeout_s)
+            self.job.close_with(self.collectives)
+        self.collectives.plug(roots)
+
+    def _build_meta(self, block: _Block, policy: ShardPolicy | None) -> dict[int, torch.nn.Parameter]:
+        """shard="parameters": give the modules built on the meta device values unit by unit (sync.fsdp_init).
+
+        Returns the sharded successors of the parameters it replaced. Other levels hold the whole model on every
+        replica anyway: there a meta model is refused (_refuse_meta) as before.
+        """
+        meta = [root for root in block.roots() if is_meta(root)]
+        if self.shard != "parameters" or not meta:
+            return {}
+        names = block.names()
+        self.tensor_names.update(names)  # the sharded successors are named after them below
+        return build_sharded(meta, self.device, self.groups.replica, self.mesh.replica_ranks[0], self.agreement,
+                             policy, names)
 
     def keep_stage(self, layers: torch.nn.Module | Iterable[torch.nn.Module], stage: torch.nn.Module) -> None:
         """Forget every module of `layers` outside `stage`, and every module holding one, once a pipeline is cut.
@@ -140,7 +176,8 @@ class ModelScope:
         roots = block.roots()
         self._refuse_meta(roots)
         for root in roots:
-            root.to(self.device)
+            if not any(is_sharded(p) for p in root.parameters()):  # a meta model was built sharded, on the device
+                root.to(self.device)
         self.modules.extend(root for root in roots if all(root is not m for m in self.modules))
         self.tensor_names.update(block.names())
         tensors: dict[int, torch.Tensor] = {}
@@ -164,7 +201,8 @@ class ModelScope:
                         f"{name} is on the meta device (a shape, no values) at the end of repl.scope() (replica "
                         f"{self.mesh.replica_id}): pass the layers to repl.pipeline(...), which gives each stage's "
                         "layers values, or give the model values inside the block: "
-                        "model.to_empty(device=repl.device), then initialise it (e.g. its reset_parameters())"
+                        "model.to_empty(device=repl.device), then initialise it (e.g. its reset_parameters()); or "
+                        "shard it: rp.Replicator(shard='parameters') gives a meta model values unit by unit"
                     )
 
     def adopt(self, tensors: list[torch.Tensor], where: str) -> None:
@@ -202,7 +240,9 @@ class ModelScope:
             # Lazy parameters cannot be given a place in the gradient buckets replicas average.
             self._refuse_lazy([(self.tensor_names.get(id(p), "a parameter"), p) for p in params],
                               "in wrap_optimizer()", "before repl.wrap_optimizer()")
-            self.check_placement(params, "in wrap_optimizer()")
+            # shard="parameters" gives a model built on the meta device values when the block ends.
+            self.check_placement([p for p in params if not (p.is_meta and self.shard == "parameters")],
+                                 "in wrap_optimizer()")
 
     def _refuse_lazy(self, named: list[tuple[str, torch.Tensor]], where: str, when: str) -> None:
         lazy = [name for name, tensor in named if is_lazy(tensor)]
@@ -231,7 +271,8 @@ class ModelScope:
 _META_HINT = (
     "a model built on the meta device has no values yet: wrap the optimizer over pipe.parameters() of the stage "
     "repl.pipeline(layers) returns (it gives this stage's layers values), or over a model given values with "
-    "model.to_empty(device=repl.device) and initialised"
+    "model.to_empty(device=repl.device) and initialised; or shard it: rp.Replicator(shard='parameters') gives a "
+    "meta model values unit by unit"
 )
 
 _SAME_MODEL = (

@@ -21,11 +21,10 @@ import torch.distributed as dist
 from replicator import checkpoint
 from replicator.asynchronous import exchange, wire
 from replicator.asynchronous.actor import ActorContext, ActorLearnerError
-from replicator.asynchronous.regime import AsyncRegime, Regime
+from replicator.asynchronous.regime import Regime
 from replicator.asynchronous.replay import Replay, ReplaySample
 from replicator.asynchronous.roles import Roles
 from replicator.asynchronous.service import LearnerService
-from replicator.asynchronous.settings import AsyncSettings
 from replicator.asynchronous.variables import VariableSink, VariableSource
 from replicator.comm.peer_link import PeerLinkError
 from replicator.context import InputContext
@@ -37,7 +36,7 @@ from replicator.sync.optimizer import SyncedOptimizers
 from replicator.telemetry import StepTimes
 from replicator.timeline import recorder as timeline
 
-__all__ = ["ActorLearnerRegime", "ActorFn", "Roles", "serves_this_run", "job_shape", "regime_for"]
+__all__ = ["ActorLearnerRegime", "ActorFn", "Roles", "serves_this_run"]
 
 ActorFn = Callable[[ActorContext], Any]
 
@@ -315,21 +314,3 @@ def serves_this_run(regime: Regime, actor_fn: ActorFn | None, update_period: int
     elif actor_fn is not None:
         raise ReplicatorUsageError("run(actor_fn=...) belongs to rp.Replicator(mode='actor_learner', actors=A)")
     return regime.serves
-
-
-def job_shape(roles: Roles | None, parameter_servers: int, group_size: int) -> dict[str, int]:
-    """Job.start's role arguments: actor–learner's, or the parameter servers' and their sync groups'."""
-    return roles.job_shape() if roles else {"servers": parameter_servers, "group_size": group_size}
-
-
-def regime_for(roles: Roles | None, settings: AsyncSettings | None, job: Job, optimizers: SyncedOptimizers,
-               models: ModelScope, position: InputPosition,
-               trained: Callable[[], dict[str, Any]]) -> tuple[Regime, str]:
-    """The job's regime and this process's role: "learner", "actor" or "evaluator" (actor–learner), "server" or
-    "worker" (parameter servers), else "replica"."""
-    if roles is not None:
-        return ActorLearnerRegime(roles, job, optimizers, models, position), roles.role
-    regime = AsyncRegime.of(settings, job, optimizers, position, trained)
-    if isinstance(regime, AsyncRegime):
-        return regime, "server" if regime.serves else "worker"
-    return regime, "replica"

@@ -21,43 +21,36 @@ from typing import Any
 
 import torch
 
+from replicator.asynchronous.regime import Regime
 from replicator.checkpoint import Share, read_info
 from replicator.checkpoint.state import named_modules, parameter_names
 from replicator.errors import ReplicatorUsageError
-from replicator.job import Job
+from replicator.loop import Observer
 from replicator.sync.bucket import Bucket, Reducer, assign_buckets
 from replicator.sync.optimizer import SyncedOptimizers
 from replicator.sync.reducers import make_reducer
 from replicator.timeline import recorder as timeline
 from replicator.topology import ProcessGroups, build_regrouped
 
-__all__ = ["DiLoCo", "OuterOptimizer", "diloco_for", "nesterov_outer_optimizer", "wire_bytes"]
+__all__ = ["DiLoCoRegime", "OuterLoop", "OuterOptimizer", "check_diloco_keywords", "nesterov_outer_optimizer",
+           "wire_bytes"]
 
 OuterOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 _BUCKET_BYTES = 25 << 20
 
 
-def diloco_for(job: Job, mode: str, sync_group_size: int, outer_every: int | None,
-               outer_optimizer: OuterOptimizer | None, reducer: str | Reducer, uneven_batches: Any) -> DiLoCo | None:
-    """The job's DiLoCo outer loop for mode="diloco", None for mode="sync"; raises on bad arguments, on every rank."""
-    if mode in ("sync", "async"):  # the parameter servers' regime checks its own arguments (asynchronous.settings)
-        given = {"outer_every": outer_every, "outer_optimizer": outer_optimizer}
-        if sync_group_size != 1 and mode == "sync":
-            given["sync_group_size"] = sync_group_size
-        stray = [name for name, value in given.items() if value is not None]
-        if stray:
-            raise ReplicatorUsageError(f"{', '.join(stray)} only apply to mode='diloco' (sync_group_size also to "
-                                       f"mode='async'; raised on rank {job.topology.rank}): pass the mode too, or "
-                                       "leave them out")
-        return None
-    if mode != "diloco":
-        raise ReplicatorUsageError(f"unknown mode={mode!r} (raised on rank {job.topology.rank}): "
-                                   "use 'sync', 'diloco' or 'async'")
-    diloco = DiLoCo.start(job.groups, sync_group_size=sync_group_size, outer_every=outer_every,
-                          outer_optimizer=outer_optimizer, reducer=reducer, stages=job.mesh.stages,
-                          uneven_batches=uneven_batches, timeout_s=job.timeout_s, device=job.device)
-    job.close_with(diloco.reducer)
-    return diloco
+def check_diloco_keywords(mode: str, sync_group_size: int, outer_every: int | None,
+                          outer_optimizer: OuterOptimizer | None, rank: int) -> None:
+    """Refuse DiLoCo's keywords (the deprecated form) given without mode="diloco", alike on every rank."""
+    if mode not in ("sync", "async"):  # the parameter servers' regime checks its own arguments (asynchronous.settings)
+        return
+    given = {"outer_every": outer_every, "outer_optimizer": outer_optimizer}
+    if sync_group_size != 1 and mode == "sync":
+        given["sync_group_size"] = sync_group_size
+    stray = [name for name, value in given.items() if value is not None]
+    if stray:
+        raise ReplicatorUsageError(f"{', '.join(stray)} only apply to mode='diloco' (sync_group_size also to "
+                                   f"mode='async'; raised on rank {rank}): pass the mode too, or leave them out")
 
 
 def nesterov_outer_optimizer(parameters: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -95,7 +88,7 @@ class _Round:
         self._positions = {id(anchor): number for number, anchor in enumerate(self.anchors)}
 
 
-class DiLoCo:
+class OuterLoop:
     """The outer loop of one job in mode="diloco": its groups, its reducer, and a run observer that steps it.
 
     Built collectively (every rank, same arguments) by `start`; `inner_groups` is the job's
@@ -123,7 +116,7 @@ class DiLoCo:
     @classmethod
     def start(cls, groups: ProcessGroups, *, sync_group_size: int, outer_every: int | None,
               outer_optimizer: OuterOptimizer | None, reducer: str | Reducer, stages: int, uneven_batches: Any,
-              timeout_s: float, device: torch.device) -> DiLoCo:
+              timeout_s: float, device: torch.device) -> OuterLoop:
         """Check the arguments (the same error on every rank), then build the groups and the outer reducer."""
         world = groups.mesh.world_size
         where = f"raised on rank {groups.mesh.rank}"
@@ -189,7 +182,7 @@ class DiLoCo:
 
     # -- a run -------------------------------------------------------------------------------
     def begin(self, optimizers: SyncedOptimizers, on_wait: Callable[[float], None],
-              checkpoint_every: int | None = None) -> DiLoCo:
+              checkpoint_every: int | None = None) -> OuterLoop:
         """Get ready for a run over the wrapped optimizers' parameters (identical on every replica now); return
         the run's observer.
 
@@ -320,3 +313,22 @@ class DiLoCo:
             "bytes_reduction": synchronous / total if total else (1.0 if not synchronous else float("inf")),
         }
 
+
+
+class DiLoCoRegime(Regime):
+    """DiLoCo as run(), save() and restore() see it: the outer loop observes the steps, closes a round cut short
+    when a run ends, and adds the groups' inner and the outer optimizer state to checkpoints."""
+
+    replicas_share_optimizer_state = False  # each sync group keeps its own inner optimizer state
+
+    def __init__(self, outer: OuterLoop, optimizers: SyncedOptimizers, inner_reducer: Reducer) -> None:
+        self.outer, self.optimizers, self.inner_reducer = outer, optimizers, inner_reducer
+
+    def observers(self, on_after_step: Callable[[float], None], checkpoint_every: int | None) -> list[Observer]:
+        return [self.outer.begin(self.optimizers, on_after_step, checkpoint_every)]
+
+    def end_steps(self, show: bool) -> dict[str, Any]:
+        return self.outer.finish(self.inner_reducer, self.optimizers, show)
+
+    def checkpoint_objects(self, objects: dict[str, Any], restoring: str | os.PathLike[str] | None) -> dict[str, Any]:
+        return self.outer.checkpoint_objects(objects, self.optimizers, restoring)

@@ -22,6 +22,7 @@ from replicator.context import InputContext
 from replicator.epochs import InputPosition
 from replicator.errors import ReplicatorUsageError
 from replicator.job import Job
+from replicator.loop import Observer
 from replicator.sync.optimizer import SyncedOptimizers
 from replicator.telemetry import StepTimes
 from replicator.timeline import recorder as timeline
@@ -36,6 +37,7 @@ class Regime:
     prints_report = False  # does finish() print the run's report (its step-time table included)?
     restores = True  # does run(checkpoint_dir=) resume this process from a checkpoint?
     saves_at_the_end = True  # does a run with checkpoint_every= end with a checkpoint of its last step?
+    replicas_share_optimizer_state = True  # must every replica hold the same optimizer state?
 
     def input_fn(self, input_fn: Callable[[InputContext], Iterable[Any]]) -> Callable[[InputContext], Iterable[Any]]:
         return input_fn
@@ -45,6 +47,19 @@ class Regime:
 
     def begin(self, on_wait: Callable[[float], None]) -> None:
         """Before the first step; `on_wait` is told seconds spent waiting on peers."""
+
+    def observers(self, on_after_step: Callable[[float], None], checkpoint_every: int | None) -> list[Observer]:
+        """Observers of the run's steps that come before every other (DiLoCo's outer step is part of the step it
+        follows, which the others see end); `on_after_step` is told the seconds they add to a step."""
+        return []
+
+    def end_steps(self, show: bool) -> dict[str, Any]:
+        """After the last step, before the run's final checkpoint: figures for repl.last_run."""
+        return {}
+
+    def checkpoint_objects(self, objects: dict[str, Any], restoring: str | os.PathLike[str] | None) -> dict[str, Any]:
+        """checkpoint.save's (or, `restoring` that path, restore's) keyword arguments for this regime."""
+        return objects
 
     def finish(self, times: StepTimes, show: bool) -> dict[str, Any]:
         """After the last step (`times`: this process's step times; `show`: print a report): figures for
@@ -73,15 +88,6 @@ class AsyncRegime(Regime):
     """
 
     saves_at_the_end = False  # groups end at steps of their own: a cut is only saved at checkpoint_every
-
-    @classmethod
-    def of(cls, settings: AsyncSettings | None, job: Job, optimizers: SyncedOptimizers, position: InputPosition,
-           trained: Callable[[], dict[str, Any]]) -> Regime:
-        """The regime of `settings`: a plain Regime (synchronous) when None.
-
-        `trained` gives what a checkpoint holds (checkpoint.save's keyword arguments), for the
-        servers' saves in the middle of run()."""
-        return Regime() if settings is None else cls(settings, job, optimizers, position, trained)
 
     def __init__(self, settings: AsyncSettings, job: Job, optimizers: SyncedOptimizers,
                  position: InputPosition, trained: Callable[[], dict[str, Any]]) -> None:

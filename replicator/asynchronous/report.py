@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from replicator.comm import objects
-from replicator.comm.store import job_store
+from replicator.comm.store import RankRecords
 from replicator.telemetry import breakdown_table
 
 __all__ = ["Reports", "group_lines"]
@@ -22,20 +21,14 @@ class Reports:
     """Every worker's figures of one run, through the job's store (tagged JSON, never unpickled)."""
 
     def __init__(self, run: int) -> None:
-        self.prefix = f"{_KEY}{run}/rank"
+        self.records = RankRecords(f"{_KEY}{run}/rank")
 
     def put(self, rank: int, figures: dict[str, Any]) -> None:
-        job_store().set(f"{self.prefix}{rank}", objects.encode(figures).decode("ascii"))
+        self.records.put(rank, figures)
 
     def gather(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
         """The figures of every rank that left them (a group that died or hung left none)."""
-        store = job_store()
-        found = {}
-        for rank in ranks:
-            key = f"{self.prefix}{rank}"
-            if store.check([key]):
-                found[rank] = objects.decode(store.get(key))
-        return found
+        return self.records.present(ranks)
 
 
 def group_lines(groups: dict[int, dict[str, Any]], partition: list[list[int]], departed: dict[int, str],

@@ -29,8 +29,9 @@ class AsyncSettings:
 
     @classmethod
     def of(cls, mode: str, parameter_servers: int, sync_group_size: int, max_staleness: int | None,
-           stages: int, world_size: int | None = None) -> AsyncSettings | None:
-        """The settings of `mode` ("sync" gives None), or a ReplicatorUsageError saying what to change.
+           stages: int, world_size: int | None = None, servers_name: str = "parameter_servers") -> AsyncSettings | None:
+        """The settings of `mode` ("sync" gives None), or a ReplicatorUsageError saying what to change (naming the
+        server count as the caller spelled it: `servers_name`).
 
         Every process gets the same arguments and world size (the launcher's, by default), so every
         process raises alike, before any process group exists."""
@@ -48,14 +49,14 @@ class AsyncSettings:
                 f"mode='async' with stages={stages} is not supported yet: parameter servers hold whole models; "
                 "use stages=1, or mode='sync' for a pipeline")
         if parameter_servers < 1:
-            raise ReplicatorUsageError(f"mode='async' needs parameter_servers >= 1, got {parameter_servers}")
+            raise ReplicatorUsageError(f"mode='async' needs {servers_name} >= 1, got {parameter_servers}")
         if max_staleness is not None and max_staleness < 0:
             raise ReplicatorUsageError(
                 f"max_staleness={max_staleness} is negative: use 0 (bulk-synchronous), a positive bound, or None "
                 "(unbounded)")
         if parameter_servers >= world_size:
             raise ReplicatorUsageError(
-                f"parameter_servers={parameter_servers} leaves no worker in a job of {world_size} process(es): "
+                f"{servers_name}={parameter_servers} leaves no worker in a job of {world_size} process(es): "
                 f"launch at least {parameter_servers + sync_group_size} processes or use fewer servers")
         workers = world_size - parameter_servers
         if sync_group_size < 1 or workers % sync_group_size:

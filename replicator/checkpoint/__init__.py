@@ -8,7 +8,6 @@ generators), `values` (JSON for the rest) and `collective` (the group's shared v
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -22,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from replicator.checkpoint.collective import barrier, distributed, quiet_dcp, rank_in
@@ -35,12 +35,13 @@ from replicator.checkpoint.files import (
     latest,
     prune,
     read_info,
+    read_json,
     step_path,
     write_json,
 )
 from replicator.checkpoint.layout import Layout, Share
 from replicator.checkpoint.rng import fresh_seed, rng_tensors, set_rng
-from replicator.checkpoint.safe_load import SafeReader, TensorsOnlyPlanner, tensor_metadata
+from replicator.checkpoint.safe_load import SafeReader, TensorsOnlyPlanner, read_index
 from replicator.checkpoint.state import (
     check_model,
     listing,
@@ -50,9 +51,10 @@ from replicator.checkpoint.state import (
     parameter_names,
     plan_optimizer,
     plan_schedulers,
+    read_record,
     scheduler_state,
 )
-from replicator.checkpoint.values import from_json, to_json
+from replicator.checkpoint.values import from_json, plain_json, to_json
 from replicator.comm.decision import everyone_agrees
 from replicator.errors import ReplicatorUsageError
 
@@ -211,8 +213,25 @@ def _gather(
         "torch": torch.__version__,
     }
     if share.regime:
-        job["regime"] = to_json(dict(share.regime), "the regime's record")
+        job["regime"] = plain_json(dict(share.regime), "the regime's record")  # the library's own: read as it is
     return tensors, {"optimizers": optimizer_records, "schedulers": scheduler_records}, job
+
+
+def _record(path: Path, checkpoint_format: int) -> dict[str, Any]:
+    """A stage's (or server's, or group's) record file: its optimizers' parameter groups and scalars, its schedulers."""
+    record = read_json(path)
+    try:
+        return read_record(record, checkpoint_format)
+    except (KeyError, TypeError, AttributeError, ValueError) as error:  # valid JSON, but not what save() writes
+        raise CheckpointError(f"checkpoint file {path} is not a replicator record ({type(error).__name__}: {error}): "
+                              "the file is damaged or was put there by another program") from error
+
+
+def _first_failure(error: CheckpointException) -> str:
+    """The first process's error in DCP's CheckpointException, as type and message."""
+    for rank, (cause, _) in sorted(error.failures.items()):
+        return f"{type(cause).__name__} on process {rank}: {cause}"
+    return str(error)
 
 
 def restore(
@@ -253,17 +272,17 @@ def restore(
         named = named_modules(modules)
         info = read_info(path)
         # Optimizer records merge by parameter name over every record file: stages, servers, sync groups.
-        records = {p.stem: from_json(json.loads(p.read_text())) for p in sorted(path.glob("*.json"))
-                   if p.name != JOB_FILE}
+        records = {p.stem: _record(p, info["format"]) for p in sorted(path.glob("*.json")) if p.name != JOB_FILE}
         stages = {int(stem[5:]): record for stem, record in records.items() if re.fullmatch(r"stage\d+", stem)}
-        available = tensor_metadata(path)
+        stored = read_index(path)
+        available = stored.tensors
         target = model_state(named)
         mismatch = check_model(target, available, partial=layout.num_stages > 1)
         if mismatch:
             raise CheckpointMismatchError(f"checkpoint {path} does not match the model: {mismatch}")
         names = {**share.names, **parameter_names(named)}
         optimizer_loads = [
-            plan_optimizer(optimizer, names, index, records, available, target, share.prefix(index), share.owns)
+            plan_optimizer(optimizer, names, index, records, stored, target, share.prefix(index), share.owns)
             for index, optimizer in enumerate(optimizers)
         ]
         scheduler_states = plan_schedulers(schedulers, stages, info, layout)
@@ -280,6 +299,7 @@ def restore(
         if absent:
             raise CheckpointMismatchError(f"checkpoint {path} lacks (or holds other shapes of) {listing(absent)}")
         target.update(share.tensors)
+        stored.check_files(target)
     except Exception as error:  # shared below, so that no process waits in dcp.load for one that gave up
         failure = error
     if not everyone_agrees(failure is None, group):
@@ -287,16 +307,23 @@ def restore(
             raise failure
         raise CheckpointError(f"another process could not restore {path}; its error names the problem")
 
-    with quiet_dcp():
-        dcp.load(target, storage_reader=SafeReader(path), planner=TensorsOnlyPlanner(),
-                 process_group=group if distributed(group) else None, no_dist=not distributed(group))
+    try:
+        with quiet_dcp():
+            dcp.load(target, storage_reader=SafeReader(path), planner=TensorsOnlyPlanner(),
+                     process_group=group if distributed(group) else None, no_dist=not distributed(group))
+    except CheckpointException as error:  # DCP's own: raised on every process, its message a list of tracebacks
+        raise CheckpointError(f"checkpoint {path} could not be read: {_first_failure(error)}") from error
 
     for name, module in named.items():
         prefix = f"{name}."
         own: dict[str, Any] = {k[len(prefix):]: v for k, v in target.items() if k.startswith(prefix)}
         set_model_state_dict(module, own, options=StateDictOptions(strict=True))
-    for optimizer, plan in zip(optimizers, optimizer_loads):
-        optimizer.load_state_dict(plan(target))
+    for index, (optimizer, plan) in enumerate(zip(optimizers, optimizer_loads)):
+        try:
+            optimizer.load_state_dict(plan(target))
+        except (ValueError, KeyError, ReplicatorUsageError) as error:  # the same on every process: the same state
+            raise CheckpointMismatchError(f"checkpoint {path}: optimizer {index} ({type(optimizer).__name__}) cannot "
+                                          f"take the saved state: {error}") from error
     for scheduler, state in zip(schedulers, scheduler_states):
         scheduler.load_state_dict(dict(state))
 
@@ -310,7 +337,7 @@ def restore(
             restored_rng = True
         else:
             fresh_seed(step, layout)
-    input_state = dict(from_json(info["input"]))
+    input_state = {key: from_json(value, info["format"]) for key, value in info["input"].items()}
     input_state.update({k[6:]: v for k, v in local.items() if k.startswith("input/")})
-    return Restored(path, step, input_state, from_json(info["extra"]), saved_layout, restored_rng,
-                    dict(from_json(info.get("regime", {}))))
+    return Restored(path, step, input_state, from_json(info["extra"], info["format"]), saved_layout, restored_rng,
+                    dict(info.get("regime", {})))

@@ -12,9 +12,9 @@ from typing import Any
 from replicator.checkpoint.errors import CheckpointError
 from replicator.errors import ReplicatorUsageError
 
-__all__ = ["step_path", "latest", "prune", "read_info"]
+__all__ = ["step_path", "latest", "prune", "read_info", "read_json"]
 
-FORMAT = 1
+FORMAT = 2  # 2: values are replicator.codec's tagged JSON (1: tags of its own, still read)
 JOB_FILE = "replicator.json"  # written last, by rank 0: a directory without it is not a checkpoint
 PARTIAL_SUFFIX = ".partial"
 STEP_NAME = re.compile(r"^step_(\d+)$")
@@ -64,12 +64,25 @@ def read_info(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{path} is not a complete checkpoint (no {JOB_FILE}): its write was interrupted; use latest(directory) "
             "to find the last complete one"
         )
-    info = json.loads((path / JOB_FILE).read_text())
-    if info.get("format") != FORMAT:
+    info = read_json(path / JOB_FILE)
+    saved_format = info.get("format") if isinstance(info, dict) else None
+    if saved_format not in range(1, FORMAT + 1):
         raise CheckpointError(
-            f"{path} has checkpoint format {info.get('format')!r}; this replicator reads format {FORMAT}"
+            f"{path / JOB_FILE} has checkpoint format {saved_format!r}; this replicator reads formats 1 to "
+            f"{FORMAT}: a newer replicator wrote it, so restore it with that one"
         )
     return info
+
+
+def read_json(path: Path) -> Any:
+    """One of a checkpoint's JSON files; a damaged one is named (json's own error names no file)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(
+            f"checkpoint file {path} cannot be read ({type(error).__name__}: {error}): the file is damaged; restore "
+            "another checkpoint"
+        ) from error
 
 
 def write_json(path: Path, payload: Any) -> None:

@@ -14,11 +14,13 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor
 
+from replicator._torch_names import DTensor
 from replicator.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from replicator.checkpoint.layout import Layout
-from replicator.checkpoint.values import to_json
+from replicator.checkpoint.optimizer_check import check_entry
+from replicator.checkpoint.safe_load import Index
+from replicator.checkpoint.values import from_json, to_json
 from replicator.errors import ReplicatorUsageError
 
 __all__: list[str] = []
@@ -121,6 +123,17 @@ def scheduler_state(scheduler: Any, index: int) -> Any:
     return to_json(state, f"scheduler {index}")
 
 
+def read_record(record: Mapping[str, Any], checkpoint_format: int) -> dict[str, Any]:
+    """A record file's optimizer and scheduler records with their values decoded (what optimizer_state wrote)."""
+    optimizers = [{**saved, "scalars": {name: {key: from_json(value, checkpoint_format) for key, value in entry.items()}
+                                        for name, entry in saved["scalars"].items()},
+                   "param_groups": [{**group, "hyper": from_json(group["hyper"], checkpoint_format)}
+                                    for group in saved["param_groups"]]}
+                  for saved in record["optimizers"]]
+    schedulers = [from_json(state, checkpoint_format) for state in record["schedulers"]]
+    return {"optimizers": optimizers, "schedulers": schedulers}
+
+
 def listing(keys: Iterable[str]) -> str:
     keys = sorted(keys)
     shown = ", ".join(keys[:LISTED])
@@ -154,16 +167,19 @@ def plan_optimizer(
     names: Mapping[int, str],
     index: int,
     records: Mapping[str, Any],
-    available: Mapping[str, TensorStorageMetadata],
+    stored: Index,
     target: dict[str, torch.Tensor],
     prefix: str = "",
     owns: Callable[[str], bool] | None = None,
 ) -> Callable[[Mapping[str, torch.Tensor]], dict[str, Any]]:
     """Add this optimizer's tensors to `target`; return what builds its state_dict once they are loaded.
 
-    `records` are every record file's; `prefix` and `owns` as for `optimizer_state` (state is
-    loaded only for the parameters `owns` names).
+    `records` are every record file's (by stem); `stored` is the checkpoint's tensor index; `prefix`
+    and `owns` as for `optimizer_state` (state is loaded only for the parameters `owns` names). The
+    state of each parameter is checked first: every key its optimizer keeps, each of the right shape.
     """
+    available = stored.tensors
+    files = ", ".join(str(stored.path / f"{stem}.json") for stem in sorted(records))
     groups = optimizer_params(optimizer, names, index, prefix)
     # Every saved parameter group of every record, by parameter name (stages own disjoint names;
     # parameter servers list the same groups, each with the state of its own shard).
@@ -180,7 +196,8 @@ def plan_optimizer(
     if missing:
         raise CheckpointMismatchError(
             f"checkpoint does not match the model: optimizer {index} ({kind}) updates parameters the checkpoint has "
-            f"no optimizer state for: {listing(missing)}"
+            f"no optimizer state for ({f'no record file of {files} lists them' if files else 'it holds no record file'}"
+            f"): {listing(missing)}"
         )
     hypers = []
     for number, group in enumerate(groups):
@@ -211,6 +228,12 @@ def plan_optimizer(
                 target[key] = (torch.empty_like(param, dtype=spec.properties.dtype)
                                if isinstance(param, DTensor) and tuple(param.shape) == size
                                else torch.empty(size, dtype=spec.properties.dtype))
+    for hyper, group in zip(hypers, groups):
+        for name in group:
+            if owns is None or owns(name[len(prefix):]):
+                saved = {**{key: None for key in scalars.get(name, {})},
+                         **{state_key: tuple(available[key].size) for state_key, key in keys[name]}}
+                check_entry(stored, index, type(optimizer), name, f"_optim/{name}/", params[name], hyper, saved, files)
 
     def build(loaded: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         state: dict[int, dict[str, Any]] = {}

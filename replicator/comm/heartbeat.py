@@ -18,7 +18,6 @@ removed; the notes are written and read by the heartbeat thread.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import threading
@@ -29,7 +28,7 @@ from types import FrameType, TracebackType
 import torch
 import torch.distributed as dist
 
-from replicator.comm.store import job_store
+from replicator.comm.store import RankRecords, job_store
 
 __all__ = ["Heartbeat", "waiting"]
 
@@ -118,17 +117,14 @@ class Heartbeat:
         self._beats += 1
         note = {"beat": self._beats, "time": time.time(), "line": line, "line_for": now - self._line_since,
                 "wait": str(wait[0]) if wait else "", "wait_for": now - wait[1] if wait else 0.0}
-        store.set(f"{_KEY}{self.rank}", json.dumps(note))
+        notes = RankRecords(_KEY, store)
+        notes.put(self.rank, note)
         if wait is not None and now - wait[1] >= self.interval_s and self._reported != wait[1]:
             self._reported = wait[1]
-            self.say(self._describe(store, note["wait"], now - wait[1]))
+            self.say(self._describe(notes, note["wait"], now - wait[1]))
 
-    def _describe(self, store: dist.Store, what: object, seconds: float) -> str:
-        notes = {}
-        for rank in range(len(self.names)):
-            key = f"{_KEY}{rank}"
-            if rank != self.rank and store.check([key]):
-                notes[rank] = json.loads(store.get(key))
+    def _describe(self, records: RankRecords, what: object, seconds: float) -> str:
+        notes = records.present(rank for rank in range(len(self.names)) if rank != self.rank)
         silent_after = self.interval_s * _SILENT_AFTER_BEATS / _BEATS_PER_INTERVAL
         lines = [f"replicator: {self.names[self.rank]} has waited {seconds:.0f} s for its peers at {what}:"]
         waiting_too = []

@@ -13,17 +13,16 @@ within the grace.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from replicator.comm.store import job_store
+from replicator.comm.store import RankRecords
 
 __all__ = ["Channel", "StallWatch", "Waiting", "grace_for"]
 
-_NOTE_KEY = "replicator/waiting/"
+_NOTES = RankRecords("replicator/waiting/")  # each waiting rank's note: what it waits for
 _INTENT_KEY = "replicator/intent/"
 LOOK_EVERY_S = 0.25
 
@@ -63,17 +62,14 @@ class StallWatch:
         may be waiting on the other channel: it finds the mismatch within a grace or two (see
         `settle_others`), and is reported as None if it does not."""
         members = self.channels[channel].members
-        keys = [f"{_INTENT_KEY}{channel}/{ticket}/{rank}" for rank in members]
+        intents = RankRecords(f"{_INTENT_KEY}{channel}/{ticket}/")
         found: list[dict[str, Any] | None] = [mine if rank == self.rank else None for rank in members]
         try:
-            store = job_store()
-            store.set(keys[members.index(self.rank)], json.dumps(mine))
+            store = intents.store
+            intents.put(self.rank, mine)
             deadline = time.monotonic() + 4 * self.grace_s
-            while time.monotonic() < deadline and not store.check(keys):
-                time.sleep(0.05)
-            for at, key in enumerate(keys):
-                if found[at] is None and store.check([key]):
-                    found[at] = json.loads(store.get(key).decode())
+            theirs = intents.wait(members, 4 * self.grace_s)
+            found = [mine if rank == self.rank else theirs.get(rank) for rank in members]
             # Leave only once every member that answered has read the others: the store may live in
             # one of them (rank 0), and goes when that process exits with its error.
             answered = sum(note is not None for note in found)
@@ -106,16 +102,11 @@ class Waiting:
 
         A peer's note is trusted once seen twice with the same serial, so that a note read
         while that peer's wait was ending (and not yet taken down) cannot mislead."""
-        store = job_store()
         if not self._published:
-            store.set(f"{_NOTE_KEY}{self.watch.rank}", json.dumps(self.note))
+            _NOTES.put(self.watch.rank, self.note)
             self._published = True
         suspects: dict[int, int] = {}
-        for peer in self.watch.peers:
-            key = f"{_NOTE_KEY}{peer}"
-            if not store.check([key]):
-                continue
-            theirs = json.loads(store.get(key).decode())
+        for peer, theirs in _NOTES.present(self.watch.peers).items():
             if self._waits_for_us(theirs) and self._we_wait_for(theirs):
                 if self._suspects.get(peer) == theirs["serial"]:
                     return dict(theirs)
@@ -126,7 +117,7 @@ class Waiting:
     def done(self) -> None:
         """The wait ended normally: take the note down."""
         if self._published:
-            job_store().delete_key(f"{_NOTE_KEY}{self.watch.rank}")
+            _NOTES.remove(self.watch.rank)
 
     def _waits_for_us(self, theirs: dict[str, Any]) -> bool:
         channel = self.watch.channels.get(theirs["channel"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from replicator import _env
+from replicator.heap import HEAP_MARK, USER_ALLOCATOR_SETTINGS
 from replicator.launch.master import resolve_master, wait_for_master
 from replicator.launch.recovery import Outcome, run_attempts
 from replicator.launch.report import LaunchLog
@@ -18,8 +19,9 @@ __all__ = ["launch", "heap_kept_environment", "HEAP_KEPT"]
 # under DDP). Training reuses the same memory every step, so replicas keep it: the resident
 # size stays at the step's peak instead of falling between steps. Any allocator setting of
 # the user's own (these variables, GLIBC_TUNABLES, a preloaded allocator) wins.
-HEAP_KEPT = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 30)}
-_ALLOCATOR_SETTINGS = (*HEAP_KEPT, "GLIBC_TUNABLES", "LD_PRELOAD")
+# The mark tells the library these are the launcher's settings: shard="parameters" returns freed blocks instead.
+HEAP_KEPT = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 30), HEAP_MARK: "kept"}
+_ALLOCATOR_SETTINGS = USER_ALLOCATOR_SETTINGS
 
 
 def _environment(spec: LaunchSpec) -> dict[str, str]:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 from torch import nn
 
-__all__ = ["Init", "is_meta", "reset_parameters", "materialize", "check_meta"]
+__all__ = ["Init", "is_meta", "give_storage", "reset_parameters", "materialize", "check_meta"]
 
 Init = Callable[[nn.Module], None]
 
@@ -73,12 +73,29 @@ def materialize(layers: Sequence[tuple[str, nn.Module]], kept: Collection[int], 
 def _emptied(layer: nn.Module, device: torch.device, *, in_place: bool) -> nn.Module:
     """`layer` (or a copy) with storage on `device`, every floating-point tensor NaN, so that an unset one shows."""
     target = layer if in_place else copy.deepcopy(layer)
-    target.to_empty(device=device)
-    with torch.no_grad():
-        for tensor in itertools.chain(target.parameters(), target.buffers()):
-            if tensor.is_floating_point() or tensor.is_complex():
-                tensor.fill_(float("nan"))
+    for module in target.modules():
+        give_storage(module, device)
     return target
+
+
+def give_storage(module: nn.Module, device: torch.device) -> None:
+    """Storage on `device` for `module`'s own meta tensors (not its children's), NaN where floating-point.
+
+    The Parameter objects stay the same (their contents are swapped), so an optimizer built
+    over the meta parameters keeps them.
+    """
+    for param in module._parameters.values():
+        if param is not None and param.is_meta:
+            fresh = nn.Parameter(_nan_like(param, device), requires_grad=param.requires_grad)
+            torch.utils.swap_tensors(param, fresh)
+    for key, buffer in module._buffers.items():
+        if buffer is not None and buffer.is_meta:
+            module._buffers[key] = _nan_like(buffer, device)
+
+
+def _nan_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    empty = torch.empty_like(tensor, device=device)
+    return empty.fill_(float("nan")) if empty.is_floating_point() or empty.is_complex() else empty
 
 
 def _draws_discarded(device: torch.device) -> contextlib.AbstractContextManager[None]:

@@ -24,8 +24,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from replicator._tree import map_tensors
+from replicator.errors import ReplicatorUsageError
 
 __all__ = [
+    "check_pipeline_arguments",
     "RECOMPUTE_MODES",
     "check_mode",
     "resolve_recompute",
@@ -46,6 +48,13 @@ def check_mode(mode: str) -> str:
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
     return mode
+
+
+def check_pipeline_arguments(stages: int, chunks: int, recompute: str, deprecated_checkpoint: str | None) -> str:
+    """Refuse stage and micro-batch counts below 1; the recompute mode (see resolve_recompute)."""
+    if stages < 1 or chunks < 1:
+        raise ReplicatorUsageError(f"stages and chunks must be at least 1, got stages={stages}, chunks={chunks}")
+    return resolve_recompute(recompute, deprecated_checkpoint)
 
 
 def resolve_recompute(recompute: str, deprecated_checkpoint: str | None) -> str:

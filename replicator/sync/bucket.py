@@ -136,11 +136,13 @@ class Bucket:
         self.buffer = self.buffer.new_empty(0)
         self.views = []
 
-    def ensure_buffer(self) -> None:
+    def ensure_buffer(self, lent: torch.Tensor | None = None) -> None:
+        """A buffer again after `release_buffer`: `lent` (a reducer's row, exactly as long) or a new tensor."""
         if not self.views and self.params:
             # Uninitialised: load() writes every parameter's slot (zeros where it has no gradient), and the
             # presence slots are written at launch.
-            self.buffer = torch.empty(self.numel + len(self.params), dtype=self.buffer.dtype, device=self.buffer.device)
+            self.buffer = lent if lent is not None else torch.empty(
+                self.numel + len(self.params), dtype=self.buffer.dtype, device=self.buffer.device)
             self.__post_init__()
 
     def reset(self) -> None:

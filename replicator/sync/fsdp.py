@@ -23,9 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
+from replicator._torch_names import DTensor, fully_shard
 from replicator.errors import ReplicatorUsageError
 from replicator.health import all_finite
 

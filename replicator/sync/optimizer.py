@@ -114,8 +114,9 @@ class SyncedOptimizers:
                                             self.shard)
         wrapped = WrappedOptimizer(optimizer, synchronizer, count, len(params))
         if self.shard == "gradients" and synchronizer.size > 1:  # the average is kept as slices from the first one
-            synchronizer.keep_slice = lambda bucket, counts: self._sharded(wrapped).keep_slice(  # type: ignore
-                bucket, counts)
+            synchronizer.keep_slice = lambda bucket, counts, summed: self._sharded(wrapped).keep_slice(  # type: ignore
+                bucket, counts, summed)
+            synchronizer.transport.slice_for = lambda bucket: self._sharded(wrapped).slice_for(bucket)  # type: ignore
             synchronizer.slices_finite = lambda: self._sharded(wrapped).slices_finite()  # type: ignore[union-attr]
         for param in params:
             self.owner[id(param)] = wrapped

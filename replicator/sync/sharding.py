@@ -18,10 +18,14 @@ stay plain tensors. The user's optimizer itself never steps and holds no state.
   averaged (while the next one travels), each replica keeps its slice of it (1/N) and the bucket's
   buffer is released, so at most two full buckets live during backward and none between steps.
   A reducer that can stop after the scatter does (the shared-memory one, on one node: each replica
-  sums only its slice); the others reduce in full. `.grad` is None after the backward pass.
+  sums only its slice, read from the rows the buckets were loaded into and written straight into
+  the slice it keeps: replicator.sync.transport); the others reduce in full. `.grad` is None after
+  the backward pass.
 
-The parameters' all-gather goes through the reducer where it has one (shared memory), else over
-the replica group, two buckets in flight.
+The parameters' all-gather goes through the reducer where it has one (shared memory: each replica
+writes its updated elements from its parameters into its peers' rows and copies theirs from its own
+row into its parameters, no flat copy of a bucket in between), else over the replica group, two
+buckets in flight.
 
 The update of every element is the arithmetic one process does on that element (element-wise
 optimizers: SGD, Adam, AdamW, ...), on the same averaged gradient: hence bit-equality with
@@ -157,10 +161,16 @@ class ShardedOptimizer:
         self.present: dict[int, list[bool]] = {}
 
     # -- shard="gradients": the average kept as slices ------------------------------------
-    def keep_slice(self, bucket: Bucket, counts: list[float] | None) -> None:
-        """Copy this replica's slice of a reduced bucket out; note which parameters had a gradient on any replica."""
+    def slice_for(self, bucket: Bucket) -> torch.Tensor:
+        """Where a reducer that stops after its scatter may sum this replica's slice of `bucket` (then kept as is)."""
         start, stop = self.bounds[bucket.index][self.rank]
-        self.slices[bucket.index] = bucket.buffer[start:stop].clone()
+        return torch.empty(stop - start, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
+
+    def keep_slice(self, bucket: Bucket, counts: list[float] | None, summed: torch.Tensor | None = None) -> None:
+        """Keep this replica's slice of a reduced bucket (`summed`, where the reducer summed it there; else copied
+        out of the buffer); note which parameters had a gradient on any replica."""
+        start, stop = self.bounds[bucket.index][self.rank]
+        self.slices[bucket.index] = summed if summed is not None else bucket.buffer[start:stop].clone()
         self.present[bucket.index] = [True] * len(bucket.params) if counts is None else [c != 0 for c in counts]
 
     def slices_finite(self) -> bool:
@@ -194,8 +204,23 @@ class ShardedOptimizer:
             for piece in self.pieces.values():
                 piece.tensor.grad = None
         self.slices, self.present = {}, {}
-        self._gather(lambda param: param.detach(), self._into_parameters)
+        self._gather_parameters()
         return result
+
+    def _gather_parameters(self) -> None:
+        """Every replica's updated slices into every replica's parameters. On one node through shared memory, read
+        from and written into the parameters themselves (over shard="gradients"' lent rows where it has them);
+        else bucket by bucket through a flat tensor (`_gather`)."""
+        gather = getattr(self.synchronizer.reducer, "all_gather_into", None)
+        rows = self.synchronizer.transport.rows if self.synchronizer.transport is not None else {}
+        buckets = [([(param.detach().view(-1), offset) for param, offset in zip(bucket.params, bucket.offsets)],
+                    [start for start, _ in bounds] + [bounds[-1][1]], rows.get(bucket.index))
+                   for bucket, bounds in zip(self.synchronizer.buckets, self.bounds)]
+        work = gather(buckets) if gather is not None else None
+        if work is None:
+            self._gather(lambda param: param.detach(), self._into_parameters)
+            return
+        work.wait()
 
     def clip_(self, params: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         """shard="gradients": clip by the global norm of the averaged gradients, from the slices (one all-reduce)."""
@@ -310,9 +335,22 @@ class ShardedOptimizer:
         return whole
 
     def load_state_dict(self, state_dict: dict[str, Any], original: Callable[[dict[str, Any]], None]) -> None:
-        """Take this replica's slices of a full state_dict (saved at any N, sharded or not)."""
-        original({"state": {}, "param_groups": state_dict["param_groups"]})  # hyperparameters, checked by torch
+        """Take this replica's slices of a full state_dict (saved at any N, sharded or not).
+
+        Every entry is checked first, not only this replica's: a tensor neither shaped like its parameter nor of
+        one element has no slices to take, and every replica must refuse it alike (one owning no slice of that
+        parameter would otherwise go on alone, and the others fail at the first step)."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for number, entry in state_dict["state"].items():
+            param = params[int(number)]
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and not _sliced(key, value, param) and value.numel() != 1:
+                    raise ReplicatorUsageError(
+                        f"state {key!r} of {self.synchronizer.name_of(param)} has shape {tuple(value.shape)}, neither "
+                        f"its parameter's {tuple(param.shape)} nor one element: shard={self.level!r} cannot cut it "
+                        "into slices. Load a state whose tensors are laid out as their parameters, whole (what "
+                        "optimizer.state_dict() gives, gathered from every replica)")
+        original({"state": {}, "param_groups": state_dict["param_groups"]})  # hyperparameters, checked by torch
         shard_number = {id(t): n for n, t in enumerate(t for g in self.shard.param_groups for t in g["params"])}
         state: dict[int, dict[str, Any]] = {}
         for number, entry in state_dict["state"].items():

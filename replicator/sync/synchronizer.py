@@ -35,6 +35,7 @@ from replicator.health import all_finite
 from replicator.sync.bucket import Bucket, Reducer, assign_buckets
 from replicator.sync.sparse import sparse_parameters, sum_sparse
 from replicator.sync.state import GradientState, UpdateCount
+from replicator.sync.transport import SlicedTransport
 from replicator.timeline import recorder as timeline
 
 __all__ = ["GradientSynchronizer"]
@@ -89,9 +90,11 @@ class GradientSynchronizer:
         self.on_wait = on_wait
         self.debug = debug
         # shard="gradients" (replicator.sync.sharding): .grad is freed as its bucket takes it, and each bucket, once
-        # averaged, hands this replica's slice to keep_slice(bucket, presence counts) and is released.
+        # averaged, hands this replica's slice to keep_slice(bucket, presence counts, summed) and is released; its
+        # travel (lent rows, the slice summed where it stays) is replicator.sync.transport's.
         self.releases = shard == "gradients" and self.size > 1
-        self.keep_slice: Callable[[Bucket, list[float] | None], None] | None = None
+        # keep_slice(bucket, presence counts, the slice its scatter summed into, or None: take it from the buffer).
+        self.keep_slice: Callable[[Bucket, list[float] | None, torch.Tensor | None], None] | None = None
         self.slices_finite: Callable[[], bool] | None = None
         unique = list({id(p): p for p in params}.values())
         self.params = [p for p in unique if p.requires_grad]
@@ -110,6 +113,7 @@ class GradientSynchronizer:
                 for position, param in enumerate(bucket.params):
                     self._location[id(param)] = (bucket, position)
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.params]
+        self.transport = SlicedTransport(self.buckets, reducer) if self.releases else None
         if state.count_samples is not None:  # weighted: a micro-step's gradients enter with its samples' weight
             self._hooks += [p.register_hook(self._weigh) for p in self.params]
         self._next_bucket = 0
@@ -180,7 +184,7 @@ class GradientSynchronizer:
             self._refuse_second_round()
             self._finish_round()
             self._start_round()
-        bucket.ensure_buffer()
+        self._ensure_buffer(bucket)
         bucket.load(position, self._scale())
         if self.releases:  # its bucket holds it now: the full-size gradient need not outlive the backward pass
             param.grad = None
@@ -222,8 +226,7 @@ class GradientSynchronizer:
         recording = timeline.active()
         launched = timeline.clock() if recording is not None else 0.0
         # shard="gradients" keeps only this replica's slice: a reducer that can stop after its scatter does.
-        scatter = getattr(self.reducer, "scatter", None) if self.releases else None
-        pending = scatter(bucket.buffer, self.group, bucket) if scatter is not None else None
+        pending = self.transport.start(bucket, self.group) if self.transport is not None else None
         bucket.pending = pending or self.reducer.reduce(bucket.buffer, self.group, bucket)  # type: ignore[arg-type]
         if recording is not None:  # from launch to completion, on a track of its own: buckets overlap
             bucket.in_flight = timeline.InFlight(
@@ -238,12 +241,15 @@ class GradientSynchronizer:
     def _finish_round(self) -> None:
         """Launch every bucket not yet launched this round, in order, with what it has; wait for them all."""
         for bucket in self.buckets[self._next_bucket :]:
-            bucket.ensure_buffer()
+            self._ensure_buffer(bucket)
             for position in range(len(bucket.params)):
                 if position not in bucket.ready:
                     bucket.load(position, self._scale())
             self._launch(bucket)
         self._wait_all()
+
+    def _ensure_buffer(self, bucket: Bucket) -> None:  # shard="gradients": in a row the reducer lends, where it can
+        self.transport.ensure_buffer(bucket) if self.transport is not None else bucket.ensure_buffer()
 
     def _start_round(self) -> None:
         """Empty buckets, none launched, nothing reduced: the next gradient starts a new round."""
@@ -288,8 +294,9 @@ class GradientSynchronizer:
         started = time.perf_counter()
         self._wait_for(bucket)
         self.on_wait(time.perf_counter() - started)
-        assert self.keep_slice is not None
-        self.keep_slice(bucket, None if all(bucket.flags) else bucket.presence().tolist())
+        assert self.keep_slice is not None and self.transport is not None
+        counts = None if all(bucket.flags) else bucket.presence().tolist()
+        self.keep_slice(bucket, counts, self.transport.settle(bucket))
         bucket.release_buffer()
 
     # -- at step ---------------------------------------------------------------------
@@ -457,9 +464,10 @@ class GradientSynchronizer:
             self._finish_round()
         self._disarm_reopen()
         self._start_round()
-        if self.releases:
+        if self.transport is not None:
             for bucket in self.buckets:
                 bucket.release_buffer()
+            self.transport.reset()
         self._window_open = False
         self._rounds = 0
         self._finalize_pass = None  # one that raised before its end never ran its callback

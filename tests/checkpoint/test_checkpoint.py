@@ -6,6 +6,7 @@ import os
 import pickle
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -266,3 +267,37 @@ def test_a_pipeline_checkpoint_restores_into_the_unsplit_model(tmp_path: Path) -
     for stage in stages:
         for key, value in stage.items():
             assert_within(model.state_dict()[key[len("model."):]], value, tolerance, key)
+
+
+@pytest.mark.parametrize("make", [
+    lambda params: torch.optim.Adafactor(params, lr=0.01),  # factored second moments: (rows, 1) and (1, cols)
+    lambda params: torch.optim.ASGD(params, lr=0.01),  # scalar tensors beside the parameter-shaped one
+    lambda params: torch.optim.Adam(params, lr=0.01, amsgrad=True),  # a key that an option adds
+    lambda params: torch.optim.SGD(params, lr=0.01),  # no state at all
+    lambda params: torch.optim.Rprop(params, lr=0.01),
+], ids=["adafactor", "asgd", "adam-amsgrad", "sgd-no-momentum", "rprop"])
+def test_every_torch_optimizer_state_restores_past_the_check_of_its_keys_and_shapes(tmp_path: Path, make: Any) -> None:
+    """restore() predicts the state each torch optimizer keeps to refuse a checkpoint missing part of it: the
+    prediction must accept every legitimate state, whatever its shapes."""
+    def trained(seed: int, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        optimizer = make(model.parameters())
+        for step in range(steps):
+            x, y = batch(step)
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        return model, optimizer
+
+    model, optimizer = trained(0, 2)
+    checkpoint.save(tmp_path / "ck", modules=model, optimizers=[optimizer], step=2)
+    fresh_model, fresh_optimizer = trained(1, 0)
+    checkpoint.restore(tmp_path / "ck", modules=fresh_model, optimizers=[fresh_optimizer])
+    saved, restored = optimizer.state_dict(), fresh_optimizer.state_dict()
+    assert saved["state"].keys() == restored["state"].keys()
+    for number, entry in saved["state"].items():
+        assert entry.keys() == restored["state"][number].keys()
+        for key, value in entry.items():
+            got = restored["state"][number][key]
+            assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, (number, key)

@@ -125,15 +125,22 @@ class SummationReducer:
             return self._worker.submit(lambda: sum_after(buffer, arrival), label, buffer.device)
         return self._worker.submit(lambda: self.summation.sum_(buffer), label, buffer.device)
 
-    def scatter(self, buffer: torch.Tensor, group: dist.ProcessGroup, bucket: Bucket) -> PendingWork | None:
+    def scatter(self, buffer: torch.Tensor, group: dist.ProcessGroup, bucket: Bucket,
+                out: torch.Tensor | None = None) -> PendingWork | None:
         """Reduce `bucket` only as far as its scatter (see SharedMemorySum.scatter_after): this replica's slice and
-        the presence slots summed. None where the summation cannot stop there (the caller reduces in full)."""
-        scatter = getattr(self.summation, "scatter_after", None)
-        if scatter is None or not getattr(self.summation, "gathers", False):
+        the presence slots summed, the slice into `out` where given. None where the summation cannot stop there
+        (the caller reduces in full)."""
+        if not self.scatters:
             return None
         check_group(group, self.summation.size, self.name, self._checked)
         label = f"{self.name} reduce-scatter of bucket {bucket.index}"
-        return self._worker.submit(lambda: scatter(buffer, bucket.arrival, bucket.numel), label, buffer.device)
+        scatter = self.summation.scatter_after  # type: ignore[attr-defined]
+        return self._worker.submit(lambda: scatter(buffer, bucket.arrival, bucket.numel, out), label, buffer.device)
+
+    @property
+    def scatters(self) -> bool:
+        """Can a reduction stop after its scatter here (shared memory, every replica on one node)?"""
+        return hasattr(self.summation, "scatter_after") and getattr(self.summation, "gathers", False)
 
     def all_gather(self, tensor: torch.Tensor, bounds: list[int]) -> PendingWork | None:
         """Replica i's part `bounds[i]:bounds[i + 1]` of `tensor` everywhere, on the worker in submission order (after
@@ -142,6 +149,22 @@ class SummationReducer:
         if gather is None or not getattr(self.summation, "gathers", False):
             return None
         return self._worker.submit(lambda: gather(tensor, bounds), f"{self.name} all-gather", tensor.device)
+
+    def all_gather_into(self, buckets: list[tuple[list[tuple[torch.Tensor, int]], list[int], torch.Tensor | None]]
+                        ) -> PendingWork | None:
+        """Every bucket's parts gathered in place, as SharedMemorySum.all_gather_into_ says, on the worker in
+        submission order; None where the summation has no such collective (the caller uses its own)."""
+        gather = getattr(self.summation, "all_gather_into_", None)
+        if gather is None or not getattr(self.summation, "gathers", False) or not buckets:
+            return None
+        device = buckets[0][0][0][0].device if buckets[0][0] else None
+        return self._worker.submit(lambda: gather(buckets), f"{self.name} all-gather of the parameters", device)
+
+    def lend(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """A row of a new shared mapping that shard="gradients" loads buckets into (the first columns of it) and
+        scatters in place, then gathers the parameters through; None where no reduction here stops after its
+        scatter (the buckets are then private tensors)."""
+        return self.allocate(numel, dtype, device) if self.scatters else None
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """A bucket buffer the summation can reduce without copying, or None (allocate it as usual)."""

@@ -20,7 +20,7 @@ from replicator.sync.reducers._summation import create_groups
 from replicator.sync.reducers.hierarchical import DEFAULT_CHUNK_BYTES, level_groups, replicas_per_node
 from replicator.topology import ProcessGroups
 
-__all__ = ["SharedMemorySum", "shared_memory_usable", "host_memory_usable", "SHARED_MEMORY_DIR"]
+__all__ = ["SharedMemorySum", "shared_memory_usable", "host_memory_usable", "sum_in_ring_order", "SHARED_MEMORY_DIR"]
 
 SHARED_MEMORY_DIR = "/dev/shm"
 
@@ -47,6 +47,20 @@ def shared_memory_usable(groups: ProcessGroups, device: torch.device) -> str | N
     if per_node != mesh.num_replicas:
         return f"the replicas span {mesh.num_replicas // per_node} nodes"
     return None
+
+
+def sum_in_ring_order(parts: torch.Tensor, owner: int, out: torch.Tensor) -> None:
+    """`out` = the sum of `parts`' rows (one per replica) in the order Gloo's ring all-reduce adds them for the
+    slice of replica `owner`: from the replica before it, backwards round the ring to itself,
+    ((x[owner-1] + x[owner-2]) + ...) + x[owner] (read off torch 2.13's Gloo at 2, 3 and 4 processes, for tensors
+    of a few hundred to a million elements). A reduce-scatter summed so gives the bits of FSDP2's on Gloo."""
+    replicas = parts.shape[0]
+    if replicas == 1:
+        out.copy_(parts[0])
+        return
+    torch.add(parts[(owner - 1) % replicas], parts[(owner - 2) % replicas], out=out)
+    for step in range(3, replicas + 1):
+        out.add_(parts[(owner - step) % replicas])
 
 
 def _reserve(descriptor: int, size: int, path: str) -> None:
@@ -135,6 +149,7 @@ class SharedMemorySum:
         self._staged_segments = 0
         self._owned: dict[int, _Segment] = {}  # allocated buckets, by their row's address
         self._unnamed: list[str] = []  # mapped here, perhaps not yet by every peer
+        self._shared: dict[str, _Segment] = {}  # shared_rows' segments, by their caller's key
 
     def _require_one_shared_memory(self, groups: ProcessGroups, neighbours: list[int], token: int) -> None:
         """Raise on every process unless the replicas the topology puts on one node also see one
@@ -196,6 +211,17 @@ class SharedMemorySum:
                 pass  # a peer removed it first
         self._unnamed.clear()
 
+    def shared_rows(self, key: str, rows: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """`rows` x `numel` zeroed elements that every replica of the node maps, for a protocol of the caller's own;
+        they replace those it asked for under `key` before. Collective: every replica of the node asks for the same
+        in the same order, and this returns once all have mapped it."""
+        path = f"{self.path_prefix}-{key}{self._staged_segments}"
+        self._staged_segments += 1
+        self._shared[key] = segment = _Segment(path, rows, numel, dtype)
+        self._unnamed.append(path)
+        self.settle()
+        return segment.rows
+
     def _staging_segment(self, numel: int, dtype: torch.dtype) -> _Segment | _Rows:
         """Where a tensor that is no allocated bucket is summed: the first `numel` columns of one segment per dtype,
         replaced by a longer one when a longer tensor comes (every replica stages the same tensors in the same
@@ -215,18 +241,19 @@ class SharedMemorySum:
         """Can `all_gather_` run here: do all the replicas share this node?"""
         return self.across is None
 
-    def all_gather_(self, tensor: torch.Tensor, bounds: list[int]) -> None:
+    def all_gather_(self, tensor: torch.Tensor, bounds: list[int], arrival: PendingAgreement | None = None) -> None:
         """Replica i holds elements `bounds[i]:bounds[i + 1]` of `tensor`; afterwards every replica holds them all.
 
         Each replica writes its part into every replica's row of a staging segment, between two barriers (the
-        first: every replica is done with the segment's last use), then reads its own row.
+        first: every replica is done with the segment's last use), then reads its own row. `arrival`, a check
+        every replica made on reaching this call and that matched, takes the first barrier's place.
         """
         flat = tensor.view(-1)
         if flat.numel() == 0:
             return
         segment = self._staging_segment(flat.numel(), flat.dtype)
         mine = slice(bounds[self.position], bounds[self.position + 1])
-        self._barrier()
+        self._all_loaded(arrival)
         for peer in range(self.local_size):
             if peer != self.position:
                 segment.rows[peer, mine] = flat[mine]
@@ -236,6 +263,31 @@ class SharedMemorySum:
             if peer != self.position:
                 theirs = slice(bounds[peer], bounds[peer + 1])
                 flat[theirs] = own[theirs]
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor,
+                       arrival: PendingAgreement | None = None) -> None:
+        """`output` gets the sum over the replicas of slice i of their `tensor` (i: this replica's position; the
+        slices are as long as `output`). `arrival`, a check every replica made on reaching this call and that
+        matched, takes the first barrier's place.
+
+        Each replica writes its slice j into row j of a staging segment (its own place in that row), then, after
+        the barrier, sums the slices in its own row in Gloo's order (`sum_in_ring_order`): the write of every
+        peer's whole tensor into every row, and the copy back of the whole sum, that `sum_` needs are saved. One
+        node only.
+        """
+        flat, size = tensor.view(-1), output.numel()
+        if flat.numel() != size * self.local_size:
+            raise ValueError(f"reduce_scatter: {flat.numel()} elements do not cut into {self.local_size} slices of "
+                             f"{size}")
+        if size == 0:
+            return
+        segment = self._staging_segment(flat.numel(), flat.dtype)
+        self._all_loaded(arrival)  # every replica is done with the segment's last use
+        place = slice(self.position * size, (self.position + 1) * size)
+        for owner, part in enumerate(flat.view(self.local_size, size)):
+            segment.rows[owner, place] = part
+        self._barrier()
+        sum_in_ring_order(segment.rows[self.position].view(self.local_size, size), self.position, output.view(-1))
 
     def sum_(self, tensor: torch.Tensor) -> None:
         self.sum_after(tensor, None)
@@ -275,35 +327,94 @@ class SharedMemorySum:
         if staged:
             flat.copy_(own)
 
-    def scatter_after(self, tensor: torch.Tensor, arrival: PendingAgreement | None, tail: int) -> None:
+    def scatter_after(self, tensor: torch.Tensor, arrival: PendingAgreement | None, tail: int,
+                      out: torch.Tensor | None = None) -> None:
         """Sum like `sum_after`, but stop after the scatter: replica i's slice of `tensor` (the same slices as a sum's)
         and the elements from `tail` on (a bucket's presence slots) hold the sums; the rest is left as it was.
 
         What sharded data parallelism (shard="gradients") keeps: the writes of every slice into every peer's row,
-        and the copy out of the whole tensor, are saved. One node only (see `gathers`).
+        and the copy out of the whole tensor, are saved. With `out`, the sum of this replica's slice short of `tail`
+        goes there instead (read from the rows, written once: no copy of it in or out of `tensor`), and `tensor` may
+        be the first columns of an allocated row (a bucket of shard="gradients" loaded in place). One node only.
         """
         flat = tensor.view(-1)
         if flat.numel() == 0:
             return
-        segment: _Segment | _Rows | None = self._owned.get(flat.data_ptr())
-        staged = segment is None or segment.rows.shape[1] != flat.numel()
-        if staged:
+        segment = self._rows_of(flat)
+        staged = segment is None
+        if segment is None:
             segment = self._staging_segment(flat.numel(), flat.dtype)
-        assert segment is not None
+            segment.rows[self.position].copy_(flat)
         own = segment.rows[self.position]
-        if staged:
-            own.copy_(flat)
         bounds = [flat.numel() * k // self.local_size for k in range(self.local_size + 1)]
         mine = slice(bounds[self.position], bounds[self.position + 1])
-        self._all_loaded(None if staged else arrival)
-        self._add_peers(segment, mine)
+        summed = slice(mine.start, max(mine.start, min(mine.stop, tail)))  # the gradients' part of it
         shared = slice(max(mine.start, tail), mine.stop)  # the tail's sums, which every replica needs
+        if out is not None and out.numel() != summed.stop - summed.start:
+            raise ValueError(f"out holds {out.numel()} elements, this replica's slice short of the tail "
+                             f"{summed.stop - summed.start}")
+        self._all_loaded(None if staged else arrival)
+        if out is None:
+            self._add_peers(segment, mine)
+        else:
+            self._add_peers(segment, summed, out)
+            self._add_peers(segment, shared)
         if shared.start < shared.stop:
             self._write_to_peers(segment, shared)
         self._barrier()
         if staged:
-            flat[mine] = own[mine]
+            if out is None:
+                flat[mine] = own[mine]
             flat[tail:] = own[tail:]
+
+    def _rows_of(self, flat: torch.Tensor) -> _Segment | _Rows | None:
+        """The rows `flat` is this replica's row of (or the first columns of): None for a tensor to stage. Every
+        replica passes the same columns of its own row of the same allocation, so the slices line up."""
+        segment = self._owned.get(flat.data_ptr())
+        if segment is None or segment.rows.shape[1] < flat.numel():
+            return None
+        return segment if segment.rows.shape[1] == flat.numel() else _Rows(segment.rows[:, : flat.numel()])
+
+    def all_gather_into_(self, buckets: list[tuple[list[tuple[torch.Tensor, int]], list[int], torch.Tensor | None]]
+                         ) -> None:
+        """For each bucket `(parts, bounds, via)`: `parts` are flat tensors (a bucket's parameters) laid at their
+        offsets in the bucket's elements, of which this replica holds the true values of `bounds[i]:bounds[i + 1]`
+        (i its position); afterwards every replica's parts hold them all.
+
+        Each replica writes its elements from its parts straight into every peer's row, then, after a barrier,
+        copies the peers' elements from its own row straight into its parts: one write and one read of the
+        bucket, against the staged `all_gather_`'s copies of the whole bucket into and out of a flat tensor.
+        `via` is this replica's row of an allocated segment that nothing else uses meanwhile (shard="gradients"'s
+        transport), at least as wide as the bucket; None stages the bucket. A bucket never goes through the
+        segment of the bucket before it without a barrier, since a peer may still be reading that one.
+        """
+        last: int | None = None
+        for parts, bounds, via in buckets:
+            numel = bounds[-1]
+            if numel == 0:
+                continue
+            found = None if via is None else self._rows_of(via.view(-1)[:numel])
+            segment = self._staging_segment(numel, parts[0][0].dtype) if found is None else found
+            home = segment.rows.untyped_storage().data_ptr()
+            if last is None or home == last:  # every replica done with the segment's last use
+                self._barrier()
+            last = home
+            low, high = bounds[self.position], bounds[self.position + 1]
+            for part, offset in parts:
+                start, stop = max(low, offset), min(high, offset + part.numel())
+                if start < stop:
+                    for peer in range(self.local_size):
+                        if peer != self.position:
+                            segment.rows[peer, start:stop] = part[start - offset : stop - offset]
+            self._barrier()
+            own = segment.rows[self.position]
+            for part, offset in parts:
+                for peer in range(self.local_size):
+                    if peer == self.position:
+                        continue
+                    start, stop = max(bounds[peer], offset), min(bounds[peer + 1], offset + part.numel())
+                    if start < stop:
+                        part[start - offset : stop - offset] = own[start:stop]
 
     def _all_loaded(self, arrival: PendingAgreement | None) -> None:
         """Return once every local replica's row is loaded: the first barrier of a sum."""
@@ -318,12 +429,19 @@ class SharedMemorySum:
     # the peers' slices into its own row's, then writes the sum back into theirs. Each replica
     # then finds the whole sum in its own row (a bucket's gradients already live there): the
     # buffer is read once, where summing apart and copying out would read it twice.
-    def _add_peers(self, segment: _Segment | _Rows, mine: slice) -> None:
+    def _add_peers(self, segment: _Segment | _Rows, mine: slice, out: torch.Tensor | None = None) -> None:
+        """Slice `mine` of every row summed into this replica's row, or into `out` (the same additions, the same
+        bits: only where the result is written differs)."""
         rows = segment.rows[:, mine]
         if self.local_size == 2:
-            rows[self.position].add_(rows[1 - self.position])
-        else:  # one pass over every row, where L - 1 additions in place would read this row L - 1 times
+            if out is None:
+                rows[self.position].add_(rows[1 - self.position])
+            else:
+                torch.add(rows[self.position], rows[1 - self.position], out=out)
+        elif out is None:  # one pass over every row, where L - 1 additions in place would read this row L - 1 times
             rows[self.position] = rows.sum(dim=0)
+        else:
+            torch.sum(rows, dim=0, out=out)
 
     def _write_to_peers(self, segment: _Segment | _Rows, mine: slice) -> None:
         for peer in range(self.local_size):
