@@ -6,6 +6,7 @@ benchmarks/results/actor_learner.json):
     .venv/bin/python benchmarks/actor_learner.py                       # D4PG, TD3, DDPG, seeds 0 1 2, the replays
     .venv/bin/python benchmarks/actor_learner.py --algorithms d4pg td3 --seeds 0 --full-curve
     .venv/bin/python benchmarks/actor_learner.py --algorithms --replay-repeats 5   # the replay arm alone
+    .venv/bin/python benchmarks/actor_learner.py --algorithms --replay-repeats 3 --pulls 85000 10000000  # + pulls
 
 The library's arm, `d4pg`, runs examples/d4pg.py as its own job (1 learner + 2 actors + the
 evaluator: 4 processes, as `replicator launch -n 4 examples/d4pg.py --actors 2 --learners 1
@@ -32,14 +33,22 @@ The peers:
 - Replay throughput: a numpy ring buffer of SB3's design (preallocated arrays, a write position
   and a `full` flag, uniform sampling with replacement, batches handed over as torch tensors):
   single-transition inserts per second and sampled transitions per second (batches of 256), as
-  medians over --replay-repeats repetitions, on Pendulum-sized transitions. Against it,
-  rp.Replay as a job uses it (`replay_job`: 1 learner + 1 actor): inserts per second are an
-  actor's `actor.add()` calls, each of which assembles the transition, packs it, and sends it to
-  the learner's shard over Gloo and waits for the answer (a process boundary the ring buffer
-  does not cross); sampled transitions per second are the learner's batches of 256 through
-  `repl.run` with a step_fn that does nothing (the step loop's own cost included), drawn once
-  every insert is in. Not the same thing as the ring buffer's in-process calls: the gap is the
-  price of the transport and the loop, which is what a user of the regime pays.
+  medians over --replay-repeats repetitions, on Pendulum-sized transitions. Against it, in turns:
+  `rp_replay`, rp.Replay as a job uses it (`replay_job`: 1 learner + 1 actor, limiter off): an
+  actor's `actor.add()` calls per second (and the CPU microseconds of its main thread per call),
+  each staging a transition that is streamed to the learner's shard in chunks over the peer
+  link, then the learner's batches of 256 through `repl.run` with a step_fn that does nothing
+  (the step loop's own cost included), drawn once every insert is in; `rp_replay_limited`, the
+  same with samples_per_insert 1 (min_size 1,000), actor and learner running together, held to
+  the ratio by the limiter's credits (its realised samples per insert and the commits or samples
+  outside the band, counted: 0); `socket_stream`, the same chunks over a Unix socket pair from one
+  process into a numpy ring in another (the transport alone, a floor for the stream's cost);
+  `torchrl_extend`, torchrl's `ReplayBuffer.extend` in one process with chunks of 1,024 (the
+  buffer PyTorch RL users pick; a ceiling; skipped when torchrl is not installed).
+- Weight pulls (`--pulls 85000 10000000`, off by default): learner steps per second, SGD on an
+  MLP of that many parameters (batch 64), with 2 actors that add a transition every millisecond
+  and pull every 10 env steps, against the same actors not pulling, in turns; the paired ratio,
+  the p95 of the pulls' latency (request to reply) and the learner's weight copies.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ import argparse
 import dataclasses
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -87,8 +97,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--replay-capacity", type=int, default=1_000_000)
     parser.add_argument("--replay-inserts", type=int, default=50_000)
     parser.add_argument("--replay-batches", type=int, default=2_000, help="batches of 256 per repetition")
-    parser.add_argument("--job-replay-inserts", type=int, default=5_000,
-                        help="inserts per repetition for rp.Replay in a job (each one a message between processes)")
+    parser.add_argument("--job-replay-inserts", type=int, default=200_000,
+                        help="inserts per repetition for rp.Replay in a job (streamed to the learner in chunks)")
+    parser.add_argument("--pulls", nargs="*", type=int, default=[],
+                        help="model sizes (parameters) of the pulls part, e.g. 85000 10000000: learner steps/s with 2 "
+                             "actors pulling every 10 env steps against none (none given: skip it)")
+    parser.add_argument("--pull-seconds", type=float, default=8.0, help="seconds of learner steps per pulls arm")
     add_json_argument(parser, "actor_learner")
     return parser.parse_args()
 
@@ -340,13 +354,16 @@ def replay_throughput(make: Callable[[], Replay], inserts: int, batches: int, ba
     return {"inserts_per_s": (inserts - 1) / insert_seconds, "samples_per_s": batches * batch_size / sample_seconds}
 
 
-def replay_job(inserts: int, batches: int, capacity: int) -> dict[str, float]:
-    """rp.Replay in a job of 1 learner + 1 actor: the actor's add() calls per second, then (every insert in) the
-    learner's sampled transitions per second through repl.run with a step_fn that does nothing."""
+def replay_job(inserts: int, batches: int, capacity: int, limited: bool = False) -> dict[str, float]:
+    """rp.Replay in a job of 1 learner + 1 actor: the actor's add() calls per second (and CPU microseconds of its
+    main thread per call), the learner's sampled transitions per second through repl.run with a step_fn that does
+    nothing. Limiter off: the learner draws once every insert is in. `limited`: samples_per_insert 1 (min_size
+    1,000, tolerance 0.1): learner and actor run together, held to the ratio by the limiter's credits."""
     torch.set_num_threads(1)
     repl = rp.Replicator(mode="actor_learner", actors=1)
-    replay = rp.Replay(capacity=capacity, batch_size=256, samples_per_insert=None, min_size=inserts - 1, n_step=1,
-                       seed=0)
+    min_size = min(1_000, inserts - 1) if limited else inserts - 1
+    replay = rp.Replay(capacity=capacity, batch_size=256, samples_per_insert=1.0 if limited else None,
+                       tolerance=0.1, min_size=min_size, n_step=1, seed=0)
     with repl.scope():
         nn.Linear(3, 1)  # the weights actors pull: a token model
     rng = np.random.default_rng(0)
@@ -355,11 +372,16 @@ def replay_job(inserts: int, batches: int, capacity: int) -> dict[str, float]:
     figures: dict[str, float] = {}
 
     def actor_fn(actor: rp.ActorContext) -> None:
-        started = time.perf_counter()
-        for i in range(inserts - 1):
+        started, cpu = time.perf_counter(), time.thread_time()
+        done = 0
+        while (actor.running if limited else done < inserts - 1):  # limited: until the learners finish
+            i = done % (inserts - 1)
             actor.add(observation=observations[i], action=actions[i], reward=-1.0,
                       next_observation=observations[i + 1])
-        figures["inserts_per_s"] = (inserts - 1) / (time.perf_counter() - started)
+            done += 1
+        figures["inserts_per_s"] = done / (time.perf_counter() - started)
+        figures["add_cpu_us"] = (time.thread_time() - cpu) / max(done, 1) * 1e6
+        figures["wait_seconds"] = actor.figures["wait_seconds"]
         while actor.running:
             time.sleep(0.01)
 
@@ -368,10 +390,129 @@ def replay_job(inserts: int, batches: int, capacity: int) -> dict[str, float]:
     def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> None:
         stamps.append(time.perf_counter())
 
-    for _ in repl.run(step_fn, repl.prepare_input(replay), steps=batches, actor_fn=actor_fn, update_period=10**9):
+    steps = max(1, (inserts - 1 - min_size) // 256) if limited else batches
+    for _ in repl.run(step_fn, repl.prepare_input(replay), steps=steps, actor_fn=actor_fn, update_period=10**9):
         pass
-    if stamps:
+    if len(stamps) > 1:
         figures["samples_per_s"] = (len(stamps) - 1) * 256 / (stamps[-1] - stamps[0])
+    if repl.role == "learner":
+        run = repl.last_run["actor_learner"]
+        figures |= {"samples_per_insert": run["samples_per_insert"] or 0.0, "outside_band": run["outside_band"]}
+    return figures
+
+
+def socket_stream(inserts: int, rows: int = 1024) -> dict[str, float]:
+    """The transport alone: the same chunks (Pendulum-sized transitions, 36 bytes, `rows` a chunk) from one process
+    to another over a Unix socket pair, received with recv_into and copied into a preallocated numpy ring."""
+    row_bytes = 2 * 3 * 4 + 1 * 4 + 8
+    chunk = np.random.default_rng(0).integers(0, 255, rows * row_bytes, dtype=np.uint8)
+    chunks = max(inserts // rows, 1)
+    sender, receiver = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the sending process
+        receiver.close()
+        try:
+            for _ in range(chunks):
+                sender.sendall(chunk)
+        finally:
+            os._exit(0)
+    sender.close()
+    ring = np.empty((capacity_rows := max(rows * 64, inserts), row_bytes), dtype=np.uint8)
+    buffer = np.empty(rows * row_bytes, dtype=np.uint8)
+    view = memoryview(buffer)
+    started, position = time.perf_counter(), 0
+    for _ in range(chunks):
+        filled = 0
+        while filled < buffer.nbytes:
+            filled += receiver.recv_into(view[filled:])
+        stop = position + rows
+        if stop > capacity_rows:
+            position, stop = 0, rows
+        ring[position:stop] = buffer.reshape(rows, row_bytes)
+        position = stop
+    seconds = time.perf_counter() - started
+    os.waitpid(pid, 0)
+    receiver.close()
+    return {"inserts_per_s": chunks * rows / seconds}
+
+
+def torchrl_extend(inserts: int, rows: int = 1024) -> dict[str, float] | None:
+    """torchrl's ReplayBuffer.extend in one process, chunks of `rows` Pendulum-sized transitions (None: no torchrl)."""
+    try:
+        from tensordict import TensorDict
+        from torchrl.data import LazyTensorStorage, ReplayBuffer
+    except ImportError:
+        return None
+    buffer = ReplayBuffer(storage=LazyTensorStorage(max(inserts, rows)))
+    data = TensorDict({"observation": torch.randn(rows, 3), "action": torch.rand(rows, 1),
+                       "reward": torch.randn(rows), "discount": torch.ones(rows),
+                       "next_observation": torch.randn(rows, 3)}, batch_size=[rows])
+    chunks = max(inserts // rows, 1)
+    started = time.perf_counter()
+    for _ in range(chunks):
+        buffer.extend(data)
+    return {"inserts_per_s": chunks * rows / (time.perf_counter() - started)}
+
+
+def pulls_model(parameters: int) -> nn.Module:
+    """An MLP 8 -> H -> H -> 1 with about `parameters` parameters."""
+    hidden = int((-(8 + 3) + ((8 + 3) ** 2 + 4 * max(parameters - 1, 1)) ** 0.5) / 2)
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+
+def pull_steps(parameters: int, seconds: float) -> int:
+    """Learner steps that take about `seconds` for this model size, timed here on three steps."""
+    torch.set_num_threads(1)
+    model = pulls_model(parameters)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    batch = torch.zeros(64, 8)
+    started = time.perf_counter()
+    for _ in range(3):
+        loss = model(batch).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return max(10, int(seconds / ((time.perf_counter() - started) / 3)))
+
+
+def pulls_job(parameters: int, pulling: bool, steps: int) -> dict[str, Any]:
+    """1 learner + 2 actors: the learner takes `steps` SGD steps (batch 64) on the model; each actor adds a
+    transition every millisecond and, when `pulling`, pulls the weights every 10 env steps (in the background). The
+    learner's steps per second; the actors' pull latencies (request to reply)."""
+    torch.set_num_threads(1)
+    repl = rp.Replicator(mode="actor_learner", actors=2)
+    replay = rp.Replay(capacity=10_000, batch_size=64, samples_per_insert=None, min_size=64, seed=0)
+    with repl.scope():
+        model = pulls_model(parameters)
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
+    figures: dict[str, Any] = {}
+
+    def actor_fn(actor: rp.ActorContext) -> None:
+        observation = np.zeros(8, dtype=np.float32)
+        action = np.zeros(1, dtype=np.float32)
+        while actor.running:
+            actor.add(observation=observation, action=action, reward=0.0, next_observation=observation)
+            time.sleep(0.001)
+        figures["pull_latencies"] = actor.pull_latencies()[1:]  # the first, at start, is not one of the pulls
+        figures["pull_seconds"] = actor.figures["pull_seconds"]
+
+    stamps: list[float] = []
+
+    def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> None:
+        loss = model(batch.observation).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        stamps.append(time.perf_counter())
+
+    for _ in repl.run(step_fn, repl.prepare_input(replay), steps=steps, actor_fn=actor_fn,
+                      update_period=10 if pulling else 10**9):
+        pass
+    if repl.role == "learner":
+        skip = min(5, len(stamps) // 4)  # the first steps overlap the actors' start
+        figures["steps_per_s"] = (len(stamps) - 1 - skip) / (stamps[-1] - stamps[skip])
+        figures["weight_copies"] = repl.last_run["actor_learner"]["weight_copies"]
     return figures
 
 
@@ -426,19 +567,70 @@ def main() -> None:
         print(f"ring buffer (numpy, SB3's design), capacity {args.replay_capacity:,}: "
               f"{inserts.median:,.0f} inserts/s ({inserts.min:,.0f}-{inserts.max:,.0f}), "
               f"{samples.median:,.0f} sampled transitions/s ({samples.min:,.0f}-{samples.max:,.0f})")
-        jobs = [run_replicas(replay_job, 2, args.job_replay_inserts, args.replay_batches, args.replay_capacity,
-                             timeout_s=600, env={"REPLICATOR_PROGRESS": "0"}) for _ in range(args.replay_repeats)]
-        library_inserts = Spread.of([actor["inserts_per_s"] for _, actor in jobs])
-        library_samples = Spread.of([learner["samples_per_s"] for learner, _ in jobs])
-        report["replay"]["rp_replay"] = {"inserts_per_s": asdict(library_inserts),
-                                         "samples_per_s": asdict(library_samples),
-                                         "measured": "actor.add() across processes (Gloo, one message per "
-                                                     "transition); the learner's batches through repl.run"}
-        print(f"rp.Replay (1 learner + 1 actor; inserts through actor.add() over Gloo, samples through repl.run): "
-              f"{library_inserts.median:,.0f} inserts/s ({library_inserts.min:,.0f}-{library_inserts.max:,.0f}), "
-              f"{library_samples.median:,.0f} sampled transitions/s "
-              f"({library_samples.min:,.0f}-{library_samples.max:,.0f})")
+        arms: dict[str, list[dict[str, float]]] = {"rp_replay": [], "rp_replay_limited": [], "socket_stream": [],
+                                                   "torchrl_extend": []}
+        for _ in range(args.replay_repeats):  # the arms in turns
+            for limited, name in ((False, "rp_replay"), (True, "rp_replay_limited")):
+                learner, actor = run_replicas(replay_job, 2, args.job_replay_inserts, args.replay_batches,
+                                              args.replay_capacity, limited, timeout_s=600,
+                                              env={"REPLICATOR_PROGRESS": "0"})
+                arms[name].append(actor | learner)
+            arms["socket_stream"].append(socket_stream(args.job_replay_inserts))
+            ceiling = torchrl_extend(args.job_replay_inserts)
+            if ceiling is not None:
+                arms["torchrl_extend"].append(ceiling)
+        measured = {"rp_replay": "actor.add() across processes, streamed in chunks over the peer link, limiter off; "
+                                 "the learner's batches through repl.run once every insert is in",
+                    "rp_replay_limited": "the same with samples_per_insert=1: actor and learner together, held to "
+                                         "the ratio by the limiter's credits",
+                    "socket_stream": "the same chunks over a Unix socket pair into a numpy ring (transport alone)",
+                    "torchrl_extend": "torchrl ReplayBuffer.extend, chunks of 1024, one process (a ceiling)"}
+        for name, runs in arms.items():
+            if not runs:
+                print(f"{name}: skipped (torchrl is not installed)" if name == "torchrl_extend" else f"{name}: none")
+                continue
+            entry: dict[str, Any] = {"measured": measured[name]}
+            for key in ("inserts_per_s", "samples_per_s", "add_cpu_us", "samples_per_insert", "outside_band"):
+                if all(key in run for run in runs):
+                    entry[key] = asdict(Spread.of([float(run[key]) for run in runs]))
+            report["replay"][name] = entry
+            line = ", ".join(f"{key} {entry[key]['median']:,.2f} ({entry[key]['min']:,.2f}-{entry[key]['max']:,.2f})"
+                             for key in entry if key != "measured")
+            label = ("rp.Replay (1 learner + 1 actor; inserts through actor.add() streamed over the peer link, "
+                     "samples through repl.run)" if name == "rp_replay" else name)
+            print(f"{label}: {line}", flush=True)
+    if args.pulls:
+        report["pulls"] = pulls_part(args)
     write_json(args.json, report, header)
+
+
+def pulls_part(args: argparse.Namespace) -> dict[str, Any]:
+    """Learner steps/s with 2 actors pulling every 10 env steps against none, per model size, arms in turns."""
+    part: dict[str, Any] = {}
+    for parameters in args.pulls:
+        steps = pull_steps(parameters, args.pull_seconds)
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        latencies: list[float] = []
+        copies: list[int] = []
+        for _ in range(max(args.replay_repeats, 1)):
+            for pulling in (False, True):
+                learner, *actors = run_replicas(pulls_job, 3, parameters, pulling, steps, timeout_s=600,
+                                                env={"REPLICATOR_PROGRESS": "0"})
+                rates[pulling].append(learner["steps_per_s"])
+                if pulling:
+                    latencies += [x for actor in actors for x in actor["pull_latencies"]]
+                    copies.append(learner["weight_copies"])
+        ratios = [p / n for p, n in zip(rates[True], rates[False], strict=True)]
+        p95 = float(np.percentile(latencies, 95)) if latencies else None
+        part[str(parameters)] = {"steps": steps, "steps_per_s_without": rates[False], "steps_per_s_with": rates[True],
+                                 "paired_ratio": statistics.median(ratios), "pull_latency_p95_s": p95,
+                                 "pulls": len(latencies), "weight_copies": copies}
+        print(f"pulls, {parameters:,} parameters: learner steps/s with 2 actors pulling every 10 env steps / none = "
+              f"{statistics.median(ratios):.3f} (per repetition {', '.join(f'{r:.3f}' for r in ratios)}); "
+              f"{statistics.median(rates[True]):.1f} against {statistics.median(rates[False]):.1f} steps/s; "
+              f"p95 pull latency {p95 * 1e3 if p95 is not None else float('nan'):.2f} ms over {len(latencies)} "
+              f"pulls; weight copies {copies}", flush=True)
+    return part
 
 
 def library_targets(runs: dict[str, list[dict[str, Any]]], report: dict[str, Any]) -> dict[str, Any]:

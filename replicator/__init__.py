@@ -9,6 +9,7 @@ from replicator.asynchronous import (
     ParameterServers,
     Replay,
     ReplaySample,
+    join_actor,
 )
 from replicator.context import InputContext, ReplicaContext
 from replicator.errors import NonFiniteError, ReplicaMismatchError, ReplicatorError, ReplicatorUsageError
@@ -32,5 +33,6 @@ __all__ = [
     "ReplaySample",
     "ActorContext",
     "ActorLearnerError",
+    "join_actor",
 ]
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 
 from replicator.asynchronous.actor import ActorContext, ActorLearnerError
 from replicator.asynchronous.diloco import OuterOptimizer
+from replicator.asynchronous.joining import join_actor
 from replicator.asynchronous.modes import ActorLearner, DiLoCo, ParameterServers
 from replicator.asynchronous.regime import AsyncRegime
 from replicator.asynchronous.replay import Replay, ReplaySample
@@ -10,4 +11,4 @@ from replicator.asynchronous.worker import ServerError
 
 __all__ = ["AsyncRegime", "AsyncSettings", "OuterOptimizer", "ServerError", "check_shardable",
            "ParameterServers", "DiLoCo", "ActorLearner",
-           "ActorContext", "ActorLearnerError", "Replay", "ReplaySample"]
+           "ActorContext", "ActorLearnerError", "Replay", "ReplaySample", "join_actor"]

@@ -26,7 +26,7 @@ from replicator.asynchronous.replay import Replay, ReplaySample
 from replicator.asynchronous.roles import Roles
 from replicator.asynchronous.service import LearnerService
 from replicator.asynchronous.variables import VariableSink, VariableSource
-from replicator.comm.store import job_store
+from replicator.comm.peer_link import PeerLinkError
 from replicator.context import InputContext
 from replicator.epochs import InputPosition
 from replicator.errors import ReplicatorUsageError
@@ -62,8 +62,6 @@ class ActorLearnerRegime(Regime):
         self.ended: str | None = None  # who asked for that, and why
         self.steps: int | None = None
         self.sample_wait_s = 0.0
-        # Ticket numbers run on for the job's life, so a learner reads its queue with one Tickets throughout.
-        self._tickets = wire.Tickets(roles.index) if not self.serves else None
         self._heartbeat: wire.Heartbeat | None = None
         if self.serves:  # from the start, so learners can tell an actor still building its model from a dead one
             self._heartbeat = wire.Heartbeat(roles.index)
@@ -110,7 +108,12 @@ class ActorLearnerRegime(Regime):
             raise ReplicatorUsageError(f"{self.roles.describe()}: run() got no replay; pass "
                                        "repl.prepare_input(replay) to run() on every process, actors included")
         sink = VariableSink(self.models.modules)
-        actor = ActorContext(self.roles, self.everyone, self.replay, sink, self.update_period, self.runs)
+        try:
+            actor = ActorContext(self.roles, self.replay, sink, self.update_period, self.runs, self.job.timeout_s)
+        except PeerLinkError as error:
+            message = exchange.read_abort()
+            raise ActorLearnerError(f"{self.roles.describe()} stops: {message}" if message else
+                                    f"{self.roles.describe()} could not reach the learners: {error}") from error
         torch.manual_seed(actor.seed)  # exploration noise differs between actors, however the script seeded
         try:
             assert self.actor_fn is not None
@@ -118,9 +121,11 @@ class ActorLearnerRegime(Regime):
                 actor.update_weights()
                 self.actor_fn(actor)
         except ActorLearnerError:
+            actor.close()
             raise  # another process's failure, relayed: its own message says what happened
         except BaseException as error:
             exchange.post_abort(f"{type(error).__name__} on {actor.who}: {error}")
+            actor.close()
             raise
         actor.say_goodbye()
         return {"actor_learner": {"role": self.role, "actor": actor.actor_id, "env_steps": actor.env_steps,
@@ -139,14 +144,18 @@ class ActorLearnerRegime(Regime):
         if self.variables is None:
             self.variables = VariableSource(self.models.modules)
             if self.roles.index == 0:
-                job_store().set(exchange.Keys.layout, "\n".join(self.variables.layout.described))
-        self.variables.publish(self.optimizers.state.step)
+                exchange.store().set(exchange.Keys.layout, "\n".join(self.variables.layout.described))
+        with timeline.span("publish weights", "learner", step=self.optimizers.state.step):
+            self.variables.publish(self.optimizers.state.step, force=True)  # the actors' first pull takes it at once
         self.stopped, self.sample_wait_s = None, 0.0
         self.drawn, self.end_at, self.ended = 0, None, None
-        assert self._tickets is not None
-        self.service = LearnerService(self.roles, self.everyone, self._tickets, replay.shard, self.variables,
-                                      self.job.timeout_s)
+        self.service = LearnerService(self.roles, self.runs, replay.shard, self.variables, self.job.timeout_s)
         self.service.start()
+        if self.roles.index == 0:
+            # For an actor that joins the running job (asynchronous.joining): the shape, then the run to join.
+            roles = self.roles
+            exchange.store().set(exchange.Keys.shape, f"{roles.learners} {roles.actors} {int(roles.evaluator)}")
+            exchange.store().set(exchange.Keys.run, str(self.runs))
         self.started, self.first_step = time.monotonic(), self.optimizers.state.step
 
     def batches(self) -> Iterator[ReplaySample]:
@@ -155,8 +164,12 @@ class ActorLearnerRegime(Regime):
         assert replay is not None and replay.shard is not None and service is not None and variables is not None
         shard = replay.shard
         while True:
-            with timeline.span("publish weights", "learner", step=self.optimizers.state.step):
-                variables.publish(self.optimizers.state.step)
+            step = self.optimizers.state.step
+            if variables.wanted:  # a copy only when an actor's pull waits for it
+                with timeline.span("publish weights", "learner", step=step):
+                    variables.publish(step)
+            else:
+                variables.step = step
             if self._ending():
                 return
             with shard.lock:
@@ -169,8 +182,12 @@ class ActorLearnerRegime(Regime):
                     if self._ending():
                         return
                     shard.lock.wait(0.05)
+                    if variables.wanted:  # a pull may wait while this learner waits for experience
+                        with timeline.span("publish weights", "learner", step=step):
+                            variables.publish(step)
                 self.sample_wait_s += time.monotonic() - waited
                 batch = shard.sample()
+                service.sampled()
             self.drawn += 1
             yield batch
 
@@ -183,7 +200,7 @@ class ActorLearnerRegime(Regime):
         end at the same step, as when `steps` is reached.
         """
         if self.end_at is None:
-            store = job_store()
+            store = exchange.store()
             request = exchange.Keys.end_request(self.runs)
             if not store.check([request]):
                 return False
@@ -201,7 +218,7 @@ class ActorLearnerRegime(Regime):
         service = self.service
         assert service is not None
         try:
-            job_store().set(exchange.Keys.done(self.runs), "1")
+            exchange.store().set(exchange.Keys.done(self.runs), "1")
         except RuntimeError:
             pass  # the store left with its host; the actors see the learners leave
         service.finish()
@@ -219,7 +236,7 @@ class ActorLearnerRegime(Regime):
         roles, limiter = self.roles, service.shard.limiter
         codes = {"died": 1, "hung": 2}
         sums = torch.tensor([limiter.inserts, limiter.samples, max(limiter.inserts - limiter.min_size, 0),
-                             *service.histogram.tolist()], dtype=torch.int64)
+                             *service.histogram.tolist(), limiter.outside, *service.inserted], dtype=torch.int64)
         maxima = torch.tensor([*service.env_steps, *(codes.get(str(service.departed.get(a, {}).get("how")), 0)
                                                      for a in range(roles.others))], dtype=torch.int64)
         group = self.job.groups.replica_control
@@ -236,12 +253,16 @@ class ActorLearnerRegime(Regime):
         actors_env = sum(env_steps[:roles.actors])
         replay = self.replay
         assert replay is not None
+        assert self.variables is not None
         return {"role": "learner", "learners": roles.learners, "actors": roles.actors, "evaluator": roles.evaluator,
+                "outside_band": int(sums[3 + len(service.histogram)]), "weight_copies": self.variables.copies,
+                "inserts_by_actor": sums[4 + len(service.histogram):].tolist(), "rejoined": service.rejoined,
                 "learner_steps": steps, "learner_steps_per_second": steps / max(seconds, 1e-9),
                 "env_steps": actors_env, "env_steps_per_second": actors_env / max(seconds, 1e-9),
                 "inserts": inserts, "samples": samples, "samples_per_insert": samples / past_min if past_min else None,
                 "target_samples_per_insert": replay.samples_per_insert,
-                "policy_lag": exchange.lag_summary(sums[3:]), "sample_wait_seconds": self.sample_wait_s,
+                "policy_lag": exchange.lag_summary(sums[3:3 + len(service.histogram)]),
+                "sample_wait_seconds": self.sample_wait_s,
                 "seconds": seconds, "departed": departed, "ended": self.ended}
 
     def save(self, path: str | os.PathLike[str], objects: dict[str, Any], step: int, input_state: dict[str, Any],

@@ -25,6 +25,7 @@ class RateLimiter:
     batch_size: int
     inserts: int = 0
     samples: int = 0
+    outside: int = 0  # commits and samples that left the band (always 0: counted so that a test can show it)
 
     @classmethod
     def of(cls, min_size: int, samples_per_insert: float | None, tolerance: float, batch_size: int) -> RateLimiter:
@@ -56,6 +57,30 @@ class RateLimiter:
         if self.samples_per_insert is None:
             return True
         return self._diff(self.inserts + count, self.samples) <= self._offset + self.error_buffer
+
+    def insert_room(self) -> int:
+        """How many items may be committed now, one after another, with the band kept (a large number when the
+        ratio is off)."""
+        if self.samples_per_insert is None:
+            return 1 << 62
+        room = max(int((self._offset + self.error_buffer + self.samples) / self.samples_per_insert) - self.inserts, 0)
+        while room and not self.can_insert(room):  # the division may round up past the band
+            room -= 1
+        return room
+
+    def committed(self, count: int) -> None:
+        """`count` items went in (the caller checked can_insert, or the replay was overrun: see ReplayShard)."""
+        self.inserts += count
+        if self.samples_per_insert is not None and self._diff(self.inserts, self.samples) > self._offset + \
+                self.error_buffer:
+            self.outside += 1
+
+    def sampled(self, count: int) -> None:
+        """`count` items were drawn (the caller checked can_sample)."""
+        self.samples += count
+        if self.inserts < self.min_size or (self.samples_per_insert is not None and self._diff(
+                self.inserts, self.samples) < self._offset - self.error_buffer):
+            self.outside += 1
 
     def realised(self) -> float | None:
         """Samples per item inserted since the replay could first be sampled (None before that)."""

@@ -155,7 +155,7 @@ class ReplayShard:
         if count > self.capacity:  # only the newest fit
             fields = {name: value[-self.capacity:] for name, value in fields.items()}
             self.next_key += count - self.capacity
-            self.limiter.inserts += count - self.capacity
+            self.limiter.committed(count - self.capacity)
             count = self.capacity
         keys = torch.arange(self.next_key, self.next_key + count, dtype=torch.int64)
         slots = keys % self.capacity
@@ -165,7 +165,7 @@ class ReplayShard:
         self.priorities[slots] = self.max_priority
         self.next_key += count
         self.size = min(self.size + count, self.capacity)
-        self.limiter.inserts += count
+        self.limiter.committed(count)
         self.lock.notify_all()
 
     def sample(self) -> ReplaySample:
@@ -186,7 +186,7 @@ class ReplayShard:
         else:
             slots = torch.randint(self.size, (count,), generator=self.generator)
             weight = torch.ones(count, dtype=torch.float32)
-        self.limiter.samples += count
+        self.limiter.sampled(count)
         fields = self.fields
         return ReplaySample(fields["observation"][slots], fields["action"][slots], fields["reward"][slots],
                             fields["discount"][slots], fields["next_observation"][slots], weight, self.keys[slots])

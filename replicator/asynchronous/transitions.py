@@ -1,13 +1,12 @@
-"""Internal: a transition's fixed format (shapes and dtypes, set by the first one) and its packing into one tensor.
+"""Internal: a transition's fixed format (shapes and dtypes, set by the first one), checked on every transition.
 
-Transitions travel from actors to replay shards as one uint8 tensor per message over Gloo
-point-to-point, never as pickled objects; the format itself travels as a line of decimal
-numbers through the job's store.
+Transitions travel from actors to replay shards as the columns of asynchronous.staging over the
+peer link, never as pickled objects; the format itself travels as a line of decimal numbers
+through the job's store.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -104,36 +103,7 @@ class TransitionSpec:
             fields.append(FieldSpec(_DTYPES[int(code)], tuple(int(d) for d in dims.split(",") if d)))
         return cls(*fields)
 
-    # -- as one tensor, over the wire ---------------------------------------------------------------
     @property
     def nbytes(self) -> int:
         """Bytes per transition: observation, action, next observation, reward and discount (float32 each)."""
         return 2 * self.observation.nbytes + self.action.nbytes + 8
-
-    def pack(self, transitions: Sequence[Transition]) -> torch.Tensor:
-        """`transitions` as one uint8 tensor, field by field (all observations, then all actions, ...)."""
-        def raw(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return torch.stack(tensors).contiguous().reshape(len(tensors), -1).view(torch.uint8).reshape(-1)
-
-        numbers = torch.tensor([[t.reward for t in transitions], [t.discount for t in transitions]],
-                               dtype=torch.float32)
-        return torch.cat([raw([t.observation for t in transitions]), raw([t.action for t in transitions]),
-                          raw([t.next_observation for t in transitions]), numbers.reshape(-1).view(torch.uint8)])
-
-    def unpack(self, payload: torch.Tensor, count: int) -> dict[str, torch.Tensor]:
-        """The fields of `count` packed transitions, each with a leading dimension of `count`."""
-        fields: dict[str, torch.Tensor] = {}
-        offset = 0
-        layout = [("observation", self.observation), ("action", self.action), ("next_observation", self.observation),
-                  ("numbers", FieldSpec(torch.float32, (2,)))]
-        for name, spec in layout:
-            size = count * spec.nbytes
-            # A copy: a view at an unaligned offset cannot be reinterpreted as a wider dtype.
-            chunk = payload[offset:offset + size].clone()
-            offset += size
-            if name == "numbers":
-                numbers = chunk.view(torch.float32).reshape(2, count)
-                fields["reward"], fields["discount"] = numbers[0], numbers[1]
-            else:
-                fields[name] = chunk.view(spec.dtype).reshape(count, *spec.shape)
-        return fields

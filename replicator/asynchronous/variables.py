@@ -1,17 +1,17 @@
-"""Internal: the variable source. Learners publish a snapshot of their modules between steps; actors pull it.
+"""Internal: the variable source. Learners copy their modules' weights for the actors that pull them; actors load them.
 
 The learner's main thread copies the parameters and buffers of the modules built in
 `repl.scope()` into flat per-dtype buffers between steps (before it draws the next batch), and
-the learner's service thread sends the newest copy to an actor that asks, so a pull never
-waits for a step and never reads weights mid-update. A copy being sent is never written again:
-the next publish takes fresh buffers.
+only when an actor's pull waits and the step has moved since the last copy: a learner that
+nobody pulls from copies nothing. The learner's weights thread sends the newest copy; the copy
+being sent is never written (the next copy goes into the other of two buffer sets).
 """
 
 from __future__ import annotations
 
 import threading
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -60,32 +60,65 @@ class _Layout:
 
 
 class VariableSource:
-    """A learner's newest published weights, with the learner step (`version`) they are from."""
+    """A learner's newest copy of its weights, the learner step (`version`) it is from, and the step now (`step`)."""
 
     def __init__(self, modules: Iterable[torch.nn.Module]) -> None:
         self.layout = _Layout(module_tensors(modules))
-        self.lock = threading.Lock()
-        self.version = -1  # nothing published yet
-        self._flats: list[torch.Tensor] = []
-        self._taken = True
+        self.changed = threading.Condition()
+        self.step = -1  # the learner's step at its last publish point
+        self.version = -1  # the step of the newest copy (-1: none yet)
+        self.wanted = False  # a pull waits for a copy of the step now
+        self.copies = 0
+        self.on_copy: Callable[[], None] | None = None  # tells the weights thread that a copy is ready
+        self._sets: list[list[torch.Tensor] | None] = [None, None]
+        self._newest = 0
+        self._sending: int | None = None
+        self._writing: int | None = None
 
-    def publish(self, version: int) -> None:
-        """Copy the modules' current values (the main thread, between steps)."""
-        with self.lock:
-            if self._taken:  # the service thread may be sending the last copy: fill new buffers
-                self._flats, self._taken = self.layout.empty(), False
-            with torch.no_grad():
-                for view, tensor in zip(self.layout.views(self._flats), self.layout.tensors, strict=True):
-                    view.copy_(tensor.detach().reshape(-1))
-            self.version = version
-
-    def take(self) -> tuple[int, list[torch.Tensor]] | None:
-        """The newest copy and its version, for the service thread to send (None before the first publish)."""
-        with self.lock:
+    def publish(self, step: int, force: bool = False) -> bool:
+        """At a publish point of the main thread (between steps): note the step; copy the weights if a pull waits for
+        a newer copy than the newest (or `force`). True when it copied."""
+        self.step = step
+        if not force and not (self.wanted and step != self.version):
+            return False
+        with self.changed:
+            # Never the set being sent; the older one if the newest is not being sent (it may be lent next).
+            target = next(i for i in (1 - self._newest, self._newest) if i != self._sending)
             if self.version < 0:
-                return None
-            self._taken = True
-            return self.version, self._flats
+                target = self._newest
+            self._writing = target
+            flats = self._sets[target]
+            if flats is None:
+                flats = self._sets[target] = self.layout.empty()
+        with torch.no_grad():
+            for view, tensor in zip(self.layout.views(flats), self.layout.tensors, strict=True):
+                view.copy_(tensor.detach().reshape(-1))
+        with self.changed:
+            self._writing, self._newest, self.version, self.wanted = None, target, step, False
+            self.copies += 1
+            self.changed.notify_all()
+        if self.on_copy is not None:
+            self.on_copy()
+        return True
+
+    @property
+    def fresh(self) -> bool:
+        """The newest copy is of the step now (a pull can be answered without waiting for the main thread)."""
+        return self.version >= 0 and self.version == self.step
+
+    def lend(self) -> tuple[int, list[torch.Tensor]]:
+        """The newest copy and its version, for the weights thread to send; give_back() once sent."""
+        with self.changed:
+            while self._writing == self._newest:
+                self.changed.wait()
+            self._sending = self._newest
+            flats = self._sets[self._newest]
+            assert flats is not None and self.version >= 0
+            return self.version, flats
+
+    def give_back(self) -> None:
+        with self.changed:
+            self._sending = None
 
 
 class VariableSink:

@@ -24,7 +24,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -252,6 +252,10 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
 # -- the connecting end ------------------------------------------------------------------------
 
 
+# Where a received frame's tensors land, chosen once its kind and tensor specs are known (None: the reused buffer).
+IntoFor = Callable[[int, Sequence[TensorSpec]], Sequence[torch.Tensor] | None]
+
+
 class PeerConnection:
     """A connected peer: `send` a frame (from any thread), `receive` the next one (one thread at a time;
     blocking, at most the timeout)."""
@@ -280,9 +284,11 @@ class PeerConnection:
         except (TimeoutError, OSError) as error:
             raise self._fail(PeerLinkError(f"sending to {self.peer} failed: {error}", self.peer)) from None
 
-    def receive(self, into: Sequence[torch.Tensor] | None = None) -> Frame:
+    def receive(self, into: Sequence[torch.Tensor] | IntoFor | None = None) -> Frame:
         """The next frame. With `into`, its tensors land in those (dtypes and shapes must match what
-        was sent); without, in a buffer this connection reuses (views valid until the next receive)."""
+        was sent); without, in a buffer this connection reuses (views valid until the next receive).
+        `into` may also be a function of the frame's kind and tensor specs that returns the tensors to
+        land in, or None for the reused buffer (a reply whose kind says whether it carries weights)."""
         if self._broken is not None:
             raise self._broken
         try:
@@ -291,6 +297,8 @@ class PeerConnection:
             extension = memoryview(self._extension)[: header.extension]
             self._fill(extension)
             specs = parse_specs(extension, header.payload, self.limits)
+            if callable(into):
+                into = into(header.kind, specs)
             mismatch = check_into(specs, into, self.peer) if into is not None else None
             if into is not None and mismatch is None:
                 tensors, targets = list(into), [byte_view(tensor) for tensor in into]

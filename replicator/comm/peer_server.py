@@ -137,6 +137,7 @@ class PeerServer:
         self._events: deque[tuple[_Connection, Frame | PeerLinkError]] = deque()
         self._held: _Connection | None = None  # its last frame was handed out: its buffer is in use
         self._serial = 0
+        self._woken = False
         unix_name = f"replicator-peer-{secrets.token_hex(8)}"
         self.unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.unix.bind("\0" + unix_name)  # abstract: nothing on disk; admission is by token and credentials
@@ -146,6 +147,11 @@ class PeerServer:
             listener.listen(128)
             listener.setblocking(False)
             self.selector.register(listener, selectors.EVENT_READ, transport)
+        # wake(): another thread's byte on this pair ends a wait in receive() (it then returns None).
+        self._wake_read, self._wake_write = socket.socketpair()
+        for end in (self._wake_read, self._wake_write):
+            end.setblocking(False)
+        self.selector.register(self._wake_read, selectors.EVENT_READ, _WAKE)
         self.host, self.port = self.tcp.getsockname()[:2]
         record = {"rank": rank, "role": role, "pid": os.getpid(), "node": node_identity(), "unix": unix_name,
                   "host": self.host, "port": self.port}
@@ -161,9 +167,10 @@ class PeerServer:
         if self._held is not None:
             self._release(self._held)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._woken = False
         while not self._events:
             self._turn(deadline)
-            if not self._events and deadline is not None and time.monotonic() >= deadline:
+            if not self._events and (self._woken or deadline is not None and time.monotonic() >= deadline):
                 return None
         connection, event = self._events.popleft()
         if isinstance(event, PeerLinkError):
@@ -191,7 +198,14 @@ class PeerServer:
         if deadline is not None:
             waits.append(deadline - now)
         for key, _ in self.selector.select(max(0.0, min(waits)) if waits else None):
-            if isinstance(key.data, str):
+            if key.data is _WAKE:
+                self._woken = True
+                try:
+                    while self._wake_read.recv(4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            elif isinstance(key.data, str):
                 self._accept(key.fileobj, key.data)  # type: ignore[arg-type]
             elif key.data.paused:  # more of it waits in the kernel: leave it there, and stop asking
                 self.selector.unregister(key.fileobj)
@@ -219,9 +233,25 @@ class PeerServer:
     def peers(self) -> list[Peer]:
         return list(self.connections)
 
+    def disconnect(self, peer: Peer) -> None:
+        """Close `peer`'s connection quietly (it said goodbye): no log line, no PeerDied event follows."""
+        connection = self.connections.get(peer)
+        if connection is not None:
+            self._close(connection)
+
+    def wake(self) -> None:
+        """From any thread: make the serving thread's current (or next) wait in `receive()` return None."""
+        try:
+            self._wake_write.send(b"w")
+        except (BlockingIOError, OSError):
+            pass  # a byte is already waiting (the pair's buffer is full), or the server closed
+
     def close(self) -> None:
         for connection in [*self._pending, *self.connections.values()]:
             self._close(connection)
+        self.selector.unregister(self._wake_read)
+        self._wake_read.close()
+        self._wake_write.close()
         for listener in (self.unix, self.tcp):
             self.selector.unregister(listener)
             listener.close()
@@ -390,6 +420,9 @@ class PeerServer:
             connection.registered = True
         if connection.ahead.pending:  # the next frame, or part of it, was read with this one
             self._read(connection)
+
+
+_WAKE = object()  # the selector's mark for the wake() pair
 
 
 class _Departed(Exception):
