@@ -15,6 +15,7 @@ note why they dropped a group as hung (read by that group when it wakes).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Protocol
 
 import torch
@@ -80,14 +81,28 @@ class Links:
 
     A leader waits on a server up to twice the timeout (a server holds a reply while the bound
     waits for a group that may take the timeout to be dropped), a member on its leader three
-    times: each hears the error of the one it waits on before a timeout of its own."""
+    times: each hears the error of the one it waits on before a timeout of its own. A server
+    waits on a group without a limit of the carrier's: it drops a silent group itself, after
+    the timeout (a Gloo receive that times out would break its pair for good).
+
+    Every process makes a job's Links at the same point (over Gloo, it makes process groups)."""
 
     _made = 0  # regimes made in this process: every process makes them in the same order, so names agree
 
-    def __init__(self, mesh: Mesh, everyone: dist.ProcessGroup, sockets: bool, timeout_s: float) -> None:
+    def __init__(self, mesh: Mesh, sockets: bool, timeout_s: float) -> None:
         Links._made += 1
         self.prefix = f"parameter_servers/{Links._made}/"
-        self.mesh, self.everyone, self.sockets, self.timeout_s = mesh, everyone, sockets, timeout_s
+        self.mesh, self.sockets, self.timeout_s = mesh, sockets, timeout_s
+        if not sockets:
+            # One group per way of waiting. A Gloo group's timeout is each process's own, and it bounds a send as
+            # well as a receive (a send waits for the receiver): a server waits on groups without a limit of
+            # Gloo's (a receive that timed out would break its pair for good), a leader on a server as above.
+            world, serving = list(range(mesh.world_size)), mesh.is_server
+            self.requests = dist.new_group(world, backend="gloo", timeout=timedelta(
+                days=7) if serving else timedelta(seconds=2 * timeout_s))
+            self.replies = dist.new_group(world, backend="gloo", timeout=timedelta(
+                seconds=(1 if serving else 2) * timeout_s))
+            self.within_groups = dist.new_group(world, backend="gloo", timeout=timedelta(seconds=3 * timeout_s))
 
     def leaders(self) -> list[Peer]:
         return [Peer(ranks[0], f"sync group {group}", -1, "gloo")
@@ -96,7 +111,7 @@ class Links:
     # -- a server ----------------------------------------------------------------------------------
     def serve(self, index: int, place: Placement) -> Inbox:
         if not self.sockets:
-            return GlooInbox(self.leaders(), self.everyone, place=place)
+            return GlooInbox(self.leaders(), self.requests, place=place, reply_group=self.replies)
         return PeerServer(f"{self.prefix}server{index}", rank=self.mesh.rank, role=f"parameter server {index}",
                           place=place, timeout_s=self.timeout_s)
 
@@ -104,8 +119,8 @@ class Links:
     def to_server(self, index: int) -> Link:
         rank, role = self.mesh.rank, f"sync group {self.mesh.group_id}"
         if not self.sockets:
-            return GlooPeer(Peer(self.mesh.server_ranks[index], f"parameter server {index}", -1, "gloo"),
-                            self.everyone)
+            server = Peer(self.mesh.server_ranks[index], f"parameter server {index}", -1, "gloo")
+            return _GlooEnds(GlooPeer(server, self.requests), GlooPeer(server, self.replies))
         return connect(f"{self.prefix}server{index}", rank=rank, role=role, timeout_s=2 * self.timeout_s)
 
     def to_members(self) -> list[Link]:
@@ -114,7 +129,7 @@ class Links:
         if not members:
             return []
         if not self.sockets:
-            return [GlooPeer(Peer(rank, "sync group member", -1, "gloo"), self.everyone) for rank in members]
+            return [GlooPeer(Peer(rank, "sync group member", -1, "gloo"), self.within_groups) for rank in members]
         server = PeerServer(f"{self.prefix}group{self.mesh.group_id}", rank=self.mesh.rank,
                             role=f"leader of sync group {self.mesh.group_id}", timeout_s=self.timeout_s)
         peers = sorted(server.wait_for(len(members)), key=lambda peer: peer.rank)
@@ -124,7 +139,7 @@ class Links:
     def to_leader(self) -> Link:
         leader = self.mesh.group_partition[self.mesh.group_id][0]
         if not self.sockets:
-            return GlooPeer(Peer(leader, f"leader of sync group {self.mesh.group_id}", -1, "gloo"), self.everyone)
+            return GlooPeer(Peer(leader, f"leader of sync group {self.mesh.group_id}", -1, "gloo"), self.within_groups)
         return connect(f"{self.prefix}group{self.mesh.group_id}", rank=self.mesh.rank, role="sync group member",
                        timeout_s=3 * self.timeout_s)
 
@@ -146,6 +161,24 @@ class _Served:
     def close(self) -> None:
         if self.server.connections:
             self.server.close()
+
+
+class _GlooEnds:
+    """A leader's link to a server over Gloo: requests on a group without a timeout, replies on one with its own."""
+
+    transport = "gloo"
+
+    def __init__(self, sending: GlooPeer, receiving: GlooPeer) -> None:
+        self.sending, self.receiving, self.peer = sending, receiving, sending.peer
+
+    def send(self, kind: int, tensors: Sequence[torch.Tensor] = (), *, request: int = 0, flags: int = 0) -> None:
+        self.sending.send(kind, tensors, request=request, flags=flags)
+
+    def receive(self, into: Sequence[torch.Tensor] | None = None) -> Frame:
+        return self.receiving.receive(into)
+
+    def close(self) -> None:
+        """Nothing to close: the process groups outlive the pair."""
 
 
 class SavedStates:

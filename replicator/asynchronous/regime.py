@@ -96,7 +96,7 @@ class AsyncRegime(Regime):
         everyone = job.groups.everyone
         assert everyone is not None
         # Sockets, or Gloo for every pair when some process cannot use them: the whole job decides, here.
-        self.links = Links(mesh, everyone, use_sockets(everyone), job.timeout_s)
+        self.links = Links(mesh, use_sockets(everyone), job.timeout_s)
         job.close_with(self)
         if not self.serves:
             # One input pipeline per worker: the groups read different data, as synchronous replicas do.

@@ -71,15 +71,6 @@ class Shard:
             for param, view in self._apart:
                 param.copy_(view)
 
-    def pack(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-        """`tensors` (one per parameter, None as zeros) as one flat host buffer per dtype."""
-        flats = []
-        for dtype in self.dtypes:
-            parts = [(t if t is not None else torch.zeros_like(p)).detach().reshape(-1).to("cpu", dtype)
-                     for p, t in zip(self.params, tensors, strict=True) if p.dtype == dtype]
-            flats.append(torch.cat(parts) if parts else torch.empty(0, dtype=dtype))
-        return flats
-
     def unpack(self, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Views of `flats` shaped as the parameters, in parameter order."""
         offsets = dict.fromkeys(self.dtypes, 0)
@@ -90,12 +81,6 @@ class Shard:
             views.append(by_dtype[p.dtype][start:start + p.numel()].view_as(p))
             offsets[p.dtype] = start + p.numel()
         return views
-
-    def load(self, flats: Sequence[torch.Tensor]) -> None:
-        """Copy values packed in `flats` into the parameters."""
-        with torch.no_grad():
-            for param, value in zip(self.params, self.unpack(flats), strict=True):
-                param.copy_(value)
 
 
 class ShardMap:
@@ -114,7 +99,6 @@ class ShardMap:
             server_of.update(dict.fromkeys(indices, server))
         self.shards = [[Shard([p for i, (k, p) in enumerate(owned) if k == optimizer and server_of[i] == server])
                         for server in range(servers)] for optimizer in range(len(self.optimizers))]
-        self.whole = [Shard([p for k, p in owned if k == optimizer]) for optimizer in range(len(self.optimizers))]
 
     def shard(self, optimizer: int, server: int) -> Shard:
         return self.shards[optimizer][server]

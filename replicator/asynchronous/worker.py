@@ -129,9 +129,14 @@ class GroupExchange:
         """The verdict (and why, on a failure) to each member, then the parameters it received."""
         why = [torch.frombuffer(bytearray(message.encode("utf-8")), dtype=torch.uint8)] if message else []
         for link in self.members:
-            link.send(links.VERDICT, [verdict, *why])
-            if int(verdict[0]) == links.OK:
-                link.send(links.PARAMETERS, self._flats(optimizers))
+            try:
+                link.send(links.VERDICT, [verdict, *why])
+                if int(verdict[0]) == links.OK:
+                    link.send(links.PARAMETERS, self._flats(optimizers))
+            except PeerLinkError as error:
+                if int(verdict[0]) == links.OK:  # else the leader's own error, which follows, says more
+                    raise ReplicatorError(f"the leader of sync group {self.group_id} (rank {self.leader}) could not "
+                                          f"pass the parameters on to {link.peer}: {error}") from error
 
     def _hear_leader(self, verdict: torch.Tensor, optimizers: list[int]) -> str:
         """A member's side: the leader's verdict and, when all went well, the parameters, landing in place."""

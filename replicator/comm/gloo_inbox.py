@@ -35,9 +35,12 @@ class GlooInbox:
     transport = "gloo"
 
     def __init__(self, peers: Sequence[Peer], group: dist.ProcessGroup | None, *, place: Placement | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, reply_group: dist.ProcessGroup | None = None) -> None:
+        """`group`: where frames arrive (its timeout bounds a peer's silence: best none, the caller judges
+        silence); `reply_group`: where `send` goes (default: `group`)."""
         self.group, self.limits, self.place = group, limits or Limits(), place
-        self.links = {peer: GlooPeer(peer, group, self.limits) for peer in peers}
+        self.links = {peer: GlooPeer(peer, group if reply_group is None else reply_group, self.limits)
+                      for peer in peers}
         self._events: queue.Queue[tuple[Peer, Frame | PeerLinkError]] = queue.Queue()
         self._go_on = {peer: threading.Semaphore(0) for peer in peers}  # the caller is done with its last frame
         self._held: Peer | None = None
