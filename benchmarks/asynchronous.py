@@ -55,12 +55,15 @@ from _harness import (
     write_json,
 )
 from _peer_servers import ray_missing, ray_rates, rpc_rate_job
+from peer_link import SIZES
+from peer_link import _measure as link_round_trips
 
 import replicator as rp
 from replicator.launch import heap_kept_environment
 from replicator.testing import run_replicas
+from replicator.testing.processes import free_port
 
-PARTS = ("straggler", "peers", "diloco")
+PARTS = ("transport", "straggler", "peers", "diloco")
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,9 @@ class Config:
     max_staleness: int = 4
     snapshot_s: float = 0.05
     straggler_all_arms: bool = True
+    # transport
+    transport_repeats: int = 3
+    transport_updates: int = 400  # timed updates per size and repetition (after 20 of warm-up)
     # peers
     peer_repeats: int = 5
     peer_warmup: int = 20
@@ -88,8 +94,134 @@ class Config:
     inner_lr: float = 1e-3  # Adam, the paper's inner optimizer family
 
 
-QUICK = Config(straggler_repeats=1, straggler_steps=120, straggler_all_arms=False,
-               peer_repeats=1, peer_warmup=10, peer_steps=60, diloco_seeds=(0,), diloco_steps=64, outer_every=(32,))
+QUICK = Config(transport_repeats=1, transport_updates=100, straggler_repeats=1, straggler_steps=120,
+               straggler_all_arms=False, peer_repeats=1, peer_warmup=10, peer_steps=60, diloco_seeds=(0,),
+               diloco_steps=64, outer_every=(32,))
+
+
+# -- transport -----------------------------------------------------------------------------------
+
+WARMUP_UPDATES = 20
+
+
+class _Vector(torch.nn.Module):
+    """One parameter of `numel` float32s: an update moves exactly the bytes of the round trips it is compared with."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(numel))
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User and system CPU of every thread of these processes so far (/proc: they run on this machine)."""
+    ticks = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def update_job(numel: int, updates: int) -> dict[str, Any]:
+    """mode="async" with 1 server and 1 worker and next to no compute: the update round trip as the worker sees it
+    (optimizer.step(): the push, the server's SGD step, the reply landing in place), and the CPU both processes
+    spend over the timed updates (read by the worker from /proc, warm-up, start-up and finish left out).
+
+    The worker first runs the same steps with a local optimizer (no server): the CPU an update costs without the
+    exchange, so that what the exchange adds can be told apart."""
+    torch.set_num_threads(1)
+    repl = rp.Replicator(mode="async", parameter_servers=1)
+    with repl.scope():
+        model = _Vector(numel)
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
+    pids = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(pids, torch.tensor([os.getpid()]))
+    direction = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    local_cpu = None
+    if not repl.regime.serves:
+        alone = _Vector(numel)
+        local = torch.optim.SGD(alone.parameters(), lr=1e-3, momentum=0.9)
+        local_cpu = time.process_time()
+        for _ in range(updates):
+            local.zero_grad()
+            (alone.w * direction).sum().backward()
+            local.step()
+        local_cpu = (time.process_time() - local_cpu) / updates
+    trips: list[float] = []
+    window: list[float] = []
+    total = WARMUP_UPDATES + updates
+
+    def step_fn(ctx: rp.ReplicaContext, batch: Any) -> None:
+        if ctx.step == WARMUP_UPDATES:
+            window.extend(cpu_seconds([int(pid)]) for pid in pids)
+        optimizer.zero_grad()
+        (model.w * direction).sum().backward()
+        started = time.perf_counter()
+        optimizer.step()
+        trips.append(time.perf_counter() - started)
+        if ctx.step == total - 1:
+            window.extend(cpu_seconds([int(pid)]) for pid in pids)
+
+    for _ in repl.run(step_fn, repl.prepare_input(lambda ctx: [0] * total), steps=total, progress=False):
+        pass
+    figures = repl.last_run.get("asynchronous", {})
+    repl.close()
+    return {"round_trip_s": statistics.median(trips[WARMUP_UPDATES:]) if trips else None,
+            "cpu_s": window[2] + window[3] - window[0] - window[1] if len(window) == 4 else None,
+            "worker_cpu_s": window[2] - window[0] if len(window) == 4 else None, "updates": updates,
+            "local_cpu_s": local_cpu, "transport": figures.get("transport")}
+
+
+def run_transport(config: Config) -> tuple[dict[str, Any], list[str], bool]:
+    """Update round trips through mode="async" against the raw round trips of benchmarks/peer_link.py."""
+    rows: dict[str, dict[str, list[float]]] = {size: {} for size in SIZES}
+    transports: set[str] = set()
+    for repetition in range(config.transport_repeats):
+        for size, numel in SIZES.items():
+            worker, _ = run_replicas(update_job, 2, numel, config.transport_updates, timeout_s=300)
+            transports.add(str(worker["transport"]))
+            row = rows[size]
+            row.setdefault("update", []).append(worker["round_trip_s"])
+            row.setdefault("update_cpu", []).append(worker["cpu_s"] / worker["updates"])
+            row.setdefault("worker_cpu", []).append(worker["worker_cpu_s"] / worker["updates"])
+            row.setdefault("local_cpu", []).append(worker["local_cpu_s"])
+        raw = run_replicas(link_round_trips, 2, free_port(), 1, max(50, config.transport_updates // 4),
+                           timeout_s=600)[1]  # one kept phase of every arm (the first warms up)
+        for size in SIZES:
+            for arm, values in raw["walls"][size].items():
+                rows[size].setdefault(arm, []).extend(values)
+                rows[size].setdefault(f"{arm} cpu", []).extend(raw["cpus"][size][arm])
+        print(f"  transport, repetition {repetition + 1}: " + ", ".join(
+            f"{size}: update {1e6 * rows[size]['update'][-1]:.0f} µs, "
+            f"rpc_sync {1e6 * rows[size]['rpc_sync echo'][-1]:.0f} µs" for size in SIZES), flush=True)
+    lines = [f"\nTransport: round trips on one node, 2 processes, {config.transport_repeats} repetition(s); "
+             f"carrier of mode='async': {', '.join(sorted(transports))}", "",
+             "| size | contender | round trip µs (median) | vs rpc_sync echo (paired) | CPU µs, both processes |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    healthy = True
+    for size in SIZES:
+        row = rows[size]
+        rpc = row["rpc_sync echo"]
+        for arm, label in (("update", "mode='async' update (push, SGD step, reply in place)"),
+                           ("peer link (unix)", "peer link (unix), echo"), ("peer link (tcp)", "peer link (tcp), echo"),
+                           ("gloo send/recv", "one Gloo message each way"), ("rpc_sync echo", "rpc_sync echo")):
+            cpu = row["update_cpu"] if arm == "update" else row[f"{arm} cpu"]
+            lines.append(f"| {size} | {label} | {_spread([1e6 * v for v in row[arm]], '{:.0f}')} "
+                         f"| {_ratio(_paired_optional(row[arm], rpc))} | {_spread([1e6 * v for v in cpu], '{:.0f}')} |")
+        over = [a - b for a, b in zip(row["update_cpu"], row["local_cpu"], strict=True)]
+        lines.append(f"| {size} | what an update's exchange costs in CPU beyond a local SGD step, both processes | | "
+                     f"| {_spread([1e6 * v for v in over], '{:.0f}')} |")
+        split = [(1e6 * w, 1e6 * (t - w)) for w, t in zip(row["worker_cpu"], row["update_cpu"], strict=True)]
+        lines.append(f"| {size} | an update's CPU: the worker's, the server's | | "
+                     f"| {_spread([w for w, _ in split], '{:.0f}')}, {_spread([v for _, v in split], '{:.0f}')} |")
+        healthy &= all(v is not None for v in row["update"])
+    lines.append("  the old chain (a ticket in the store, the server polling it, 6 Gloo messages) is gone; issue 30 "
+                 "measured it at 4.6-6.8 ms and 3.3 ms of server CPU per 85k-parameter update")
+    lines.append("  update CPU: the worker's and the server's (every thread, /proc, 10 ms ticks) over the timed "
+                 "updates, per update; the echoes': time.process_time() of both processes (benchmarks/peer_link.py)")
+    if ray_missing():
+        lines.append("  ray's actor echo: not measured (ray cannot be imported here)")
+    return {"rows": rows, "transports": sorted(transports)}, lines, healthy
 
 
 # -- straggler -----------------------------------------------------------------------------------
@@ -302,12 +434,34 @@ def replicator_rate_job(config: Config) -> dict[str, Any]:
 
     inputs = repl.prepare_input(input_fn)
     dist.barrier()  # the workers start together
-    begun = time.monotonic()
+    begun, cpu = time.monotonic(), time.process_time()
     stamps = [time.monotonic() for _ in repl.run(step_fn, inputs, steps=steps, progress=False)]
+    cpu = time.process_time() - cpu  # every thread of the process, from run()'s start to its end
     figures = repl.last_run.get("asynchronous", {})
     repl.close()
     waiting = figures["wait_seconds"] / (stamps[-1] - begun) if stamps else None
     return {"stamps": stamps, "updates": figures["versions"][0] if "versions" in figures else None, "waiting": waiting,
+            "moved": float((_flat(model) - _flat(make_model(config.hidden, config.seed))).abs().max()),
+            "cpu_s": cpu, "transport": figures.get("transport")}
+
+
+def ceiling_rate_job(config: Config) -> dict[str, Any]:
+    """The ceiling: the same 2 workers, each with its own optimizer and no server (nothing to wait for)."""
+    torch.set_num_threads(1)
+    train_x, train_y, _, _ = digits()
+    rank, workers = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    model = make_model(config.hidden, config.seed)
+    optimizer = make_optimizer(model.parameters(), config.lr)
+    steps = config.peer_warmup + config.peer_steps
+    batches = shard_batches(train_x, train_y, config.batch, rank, workers, steps, config.seed)
+    stamps, cpu = [], time.process_time()
+    for inputs, labels in batches:
+        loss = F.cross_entropy(model(inputs), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        stamps.append(time.monotonic())
+    return {"stamps": stamps, "updates": steps, "cpu_s": time.process_time() - cpu,
             "moved": float((_flat(model) - _flat(make_model(config.hidden, config.seed))).abs().max())}
 
 
@@ -322,58 +476,85 @@ def window_rate(stamps: Sequence[Sequence[float]], warmup: int) -> float:
     return count / (end - start) if end > start else float("nan")
 
 
+CEILING = "ceiling: local optimizers, no server"
+
+
 def run_peers(config: Config) -> tuple[dict[str, Any], list[str], bool]:
-    contenders = ["replicator mode=async", "torch.distributed.rpc pattern", "ray pattern"]
+    contenders = ["replicator mode=async", "torch.distributed.rpc pattern", "ray pattern", CEILING]
     notes: list[str] = []
     if (missing := ray_missing()) is not None:
         contenders.remove("ray pattern")
         notes.append(missing)
         print(f"  {missing}", flush=True)
     rates: dict[str, list[float]] = {name: [] for name in contenders}
+    cpu_ms: dict[str, list[float]] = {name: [] for name in contenders}  # per update, every process of the arm
     waiting: list[float] = []  # replicator's workers: share of their time blocked on the server
+    transports: set[str] = set()
     healthy = True
-    timeout = 120.0 + 0.5 * (config.peer_warmup + config.peer_steps)
+    total = config.peer_warmup + config.peer_steps
+    timeout = 120.0 + 0.5 * total
     for repetition, name in in_turns(contenders, config.peer_repeats):
+        cpu: float | None = None
         if name == "replicator mode=async":
             results = run_replicas(replicator_rate_job, 3, config, timeout_s=timeout)
             stamps = [r["stamps"] for r in results[:2]]
             waiting.append(statistics.median(r["waiting"] for r in results[:2]))
             updates, moved = results[2]["updates"], min(r["moved"] for r in results)
+            cpu = sum(r["cpu_s"] for r in results)
+            transports.update(r["transport"] for r in results[:2])
         elif name == "torch.distributed.rpc pattern":
             results = run_replicas(rpc_rate_job, 3, config.hidden, config.batch, config.lr, config.seed,
-                                   config.peer_warmup + config.peer_steps, timeout_s=timeout)
+                                   total, timeout_s=timeout)
             stamps = [r["stamps"] for r in results[:2]]
             updates, moved = results[2]["updates"], min(r["moved"] for r in results[:2])
+            cpu = sum(r["cpu_s"] for r in results)
+        elif name == CEILING:
+            results = run_replicas(ceiling_rate_job, 2, config, timeout_s=timeout)
+            stamps = [r["stamps"] for r in results]
+            updates, moved = sum(r["updates"] for r in results), min(r["moved"] for r in results)
+            cpu = sum(r["cpu_s"] for r in results)
         else:
-            outcome = ray_rates(config.hidden, config.batch, config.lr, config.seed,
-                                config.peer_warmup + config.peer_steps)
+            outcome = ray_rates(config.hidden, config.batch, config.lr, config.seed, total)
             stamps, updates, moved = outcome["stamps"], outcome["updates"], outcome["moved"]
         rate = window_rate(stamps, config.peer_warmup)
         rates[name].append(rate)
-        ok = updates == 2 * (config.peer_warmup + config.peer_steps) and moved > 1e-6
+        if cpu is not None:
+            cpu_ms[name].append(1e3 * cpu / (2 * total))
+        ok = updates == 2 * total and moved > 1e-6
         healthy &= ok
         print(f"  peers, repetition {repetition + 1}, {name}: {rate:,.0f} updates/s"
+              f"{f', {cpu_ms[name][-1]:.2f} CPU ms per update' if cpu is not None else ''}"
               f"{'' if ok else f' (CHECK FAILED: {updates} updates applied, moved {moved:.3g})'}", flush=True)
     peer_names = [n for n in contenders if n != "replicator mode=async"]
     lines = [f"\nPeers: parameter updates/s, 1 server + 2 workers, no straggler, batch {config.batch}, "
              f"{config.peer_steps} timed updates per worker after {config.peer_warmup}:", "",
-             "| contender | updates/s (median) | range | replicator / this (paired) |",
-             "| --- | ---: | ---: | ---: |"]
+             "| contender | updates/s (median) | range | replicator / this (paired) | CPU ms per update, every "
+             "process (median) | over the ceiling's |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     ours = rates["replicator mode=async"]
     for name in rates:
         measured = [rate for rate in rates[name] if math.isfinite(rate)]
         spread = Spread.of(measured) if measured else Spread(math.nan, math.nan, math.nan)
         ratio = "(this package)" if name == "replicator mode=async" else _ratio(_paired_optional(ours, rates[name]))
-        lines.append(f"| {name} | {spread.median:,.0f} | {spread.min:,.0f}–{spread.max:,.0f} | {ratio} |")
+        spent = _spread(cpu_ms[name]) if cpu_ms[name] else "-"
+        over = "-" if name == CEILING or not cpu_ms[name] else _spread(
+            [a - b for a, b in zip(cpu_ms[name], cpu_ms[CEILING], strict=False)])
+        lines.append(f"| {name} | {spread.median:,.0f} | {spread.min:,.0f}–{spread.max:,.0f} | {ratio} | {spent} "
+                     f"| {over} |")
         if len(measured) < len(rates[name]):
             notes.append(f"{name}: in {len(rates[name]) - len(measured)} repetition(s) the workers' timed phases did "
                          "not overlap; left out")
     lines.append(f"  replicator's workers spent {_spread([100 * w for w in waiting], '{:.0f}')} % of their time "
-                 "blocked on the server (repl.last_run['asynchronous']['wait_seconds'])")
+                 f"blocked on the server (repl.last_run['asynchronous']['wait_seconds']); carrier: "
+                 f"{', '.join(sorted(map(str, transports)))}")
+    lines.append("  CPU: time.process_time() of every process of the arm (all its threads), over run() or the "
+                 "training loop (warm-up included), per update; 'over the ceiling' is what the exchange costs "
+                 "beyond the same training with a local optimizer (paired by repetition)")
     lines += [f"  {note}" for note in notes]
-    lines.append(f"  checks: every server applied exactly 2 x {config.peer_warmup + config.peer_steps} updates "
+    lines.append(f"  checks: every server applied exactly 2 x {total} updates "
                  f"and the weights moved: {'yes' if healthy else 'NO'}")
-    return {"rates": rates, "peers": peer_names, "notes": notes, "replicator_wait_share": waiting}, lines, healthy
+    return {"rates": rates, "cpu_ms_per_update": cpu_ms, "peers": peer_names, "notes": notes,
+            "replicator_wait_share": waiting, "transports": sorted(map(str, transports))}, lines, healthy
 
 
 # -- DiLoCo --------------------------------------------------------------------------------------
@@ -546,7 +727,8 @@ def main(argv: list[str] | None = None) -> int:
     healthy = True
     for part in parts:
         started = time.perf_counter()
-        figures, part_lines, ok = {"straggler": run_straggler, "peers": run_peers, "diloco": run_diloco}[part](config)
+        figures, part_lines, ok = {"transport": run_transport, "straggler": run_straggler, "peers": run_peers,
+                                   "diloco": run_diloco}[part](config)
         report[part] = figures
         lines += part_lines + [f"  ({time.perf_counter() - started:.0f} s)"]
         healthy &= ok
