@@ -200,16 +200,18 @@ class ParameterServer:
             # The gradients as they landed: one is applied from its own buffers; several are summed into the
             # first's, in group order, and averaged (the same sums as from zeros: 0 + g is g, bit for bit).
             first = gradients[0]
-            present = first.present.bool()
-            for gradient in gradients[1:]:
-                present |= gradient.present.bool()
-                for total, view in zip(first.views, gradient.views, strict=True):
-                    total += view
+            present = first.present
             if len(gradients) > 1:
+                present = present.bool()
+                for gradient in gradients[1:]:
+                    present |= gradient.present.bool()
+                    for total, view in zip(first.views, gradient.views, strict=True):
+                        total += view
                 for total in first.views:
                     total /= len(gradients)
             for param, total, has in zip(book.shard.params, first.views, present.tolist(), strict=True):
-                param.grad = total.to(param.device, param.dtype) if has else None  # no copy on the host
+                # On the host, the landed gradient itself: no copy.
+                param.grad = (total if total.device == param.device else total.to(param.device)) if has else None
             for param_group, lr in zip(book.optimizer.param_groups, first.lrs.tolist(), strict=True):
                 param_group["lr"] = lr  # the workers' schedulers set the rate, as in synchronous mode
             type(book.optimizer).step(book.optimizer)  # the user's optimizer itself, past the wrapper

@@ -51,6 +51,9 @@ class GroupExchange:
         self.step = 0
         self.on_wait: Callable[[float], None] = lambda seconds: None  # told each exchange's seconds (step times)
         self._header = torch.empty(reply_header_size(len(mesh.group_partition)), dtype=torch.int64)
+        self._flat_lists: dict[tuple[tuple[int, ...], int | None], list[torch.Tensor]] = {}
+        self._replies: dict[tuple[tuple[int, ...], int], list[torch.Tensor]] = {}  # what each reply lands in
+        self._pushed: dict[tuple[int, int], tuple[list[float], torch.Tensor, list[bool], torch.Tensor]] = {}
         if self.is_leader:
             self.servers = [plan.to_server(server) for server in range(self.num_servers)]
             self.members = plan.to_members()
@@ -93,26 +96,31 @@ class GroupExchange:
             self._exchange_with_servers(kind, index, list(optimizers))
 
     def _flats(self, optimizers: list[int], server: int | None = None) -> list[torch.Tensor]:
-        """The flat buffers of `optimizers`' shards on `server` (None: on every server), in the order frames carry."""
-        servers = range(self.num_servers) if server is None else [server]
-        return [flat for k in optimizers for s in servers for flat in self.shards.shard(k, s).flats]
+        """The flat buffers of `optimizers`' shards on `server` (None: on every server), in the order frames carry
+        (the same list object each time: the buffers never move)."""
+        key = (tuple(optimizers), server)
+        if (flats := self._flat_lists.get(key)) is None:
+            servers = range(self.num_servers) if server is None else [server]
+            flats = self._flat_lists[key] = [flat for k in optimizers for s in servers
+                                             for flat in self.shards.shard(k, s).flats]
+        return flats
 
     def _exchange_with_servers(self, kind: int, index: int | None, optimizers: list[int]) -> None:
         started = time.perf_counter()
         # The verdict: status, the failing server, the staleness each server measured. The leader's travels to
         # its members first, so that on a server's failure every member raises the same error instead of waiting
         # for parameters that will never come.
-        verdict = torch.full((2 + self.num_servers,), -1, dtype=torch.int64)
+        verdict = [-1] * (2 + self.num_servers)
         if self.is_leader:
             message = self._leader_exchange(kind, index, optimizers, verdict)
             self._tell_members(verdict, message, optimizers)
         else:
             message = self._hear_leader(verdict, optimizers)
-        if int(verdict[0]) == links.SAVE_FAILED:
+        if verdict[0] == links.SAVE_FAILED:
             raise CheckpointError(f"the parameter servers could not write the checkpoint (raised on rank "
                                   f"{self.mesh.rank}, sync group {self.group_id}): {links.SavedStates.error()}")
-        if int(verdict[0]) != links.OK:
-            server = int(verdict[1])
+        if verdict[0] != links.OK:
+            server = verdict[1]
             raise ServerError(message or (
                 f"parameter server {server} (rank {self.mesh.server_ranks[server]}) failed or dropped sync group "
                 f"{self.group_id}; see the error of its leader (rank {self.leader})"))
@@ -120,33 +128,36 @@ class GroupExchange:
             for server in range(self.num_servers):
                 self.shards.shard(k, server).settle()
         if kind == links.PUSH:
-            self.record.values.extend(int(v) for v in verdict[2:])
+            self.record.values.extend(verdict[2:])
         waited = time.perf_counter() - started
         self.record.wait_seconds += waited
         self.on_wait(waited)
 
-    def _tell_members(self, verdict: torch.Tensor, message: str, optimizers: list[int]) -> None:
+    def _tell_members(self, verdict: list[int], message: str, optimizers: list[int]) -> None:
         """The verdict (and why, on a failure) to each member, then the parameters it received."""
+        if not self.members:
+            return
         why = [torch.frombuffer(bytearray(message.encode("utf-8")), dtype=torch.uint8)] if message else []
+        numbers = torch.tensor(verdict, dtype=torch.int64)
         for link in self.members:
             try:
-                link.send(links.VERDICT, [verdict, *why])
-                if int(verdict[0]) == links.OK:
+                link.send(links.VERDICT, [numbers, *why])
+                if verdict[0] == links.OK:
                     link.send(links.PARAMETERS, self._flats(optimizers))
             except PeerLinkError as error:
-                if int(verdict[0]) == links.OK:  # else the leader's own error, which follows, says more
+                if verdict[0] == links.OK:  # else the leader's own error, which follows, says more
                     raise ReplicatorError(f"the leader of sync group {self.group_id} (rank {self.leader}) could not "
                                           f"pass the parameters on to {link.peer}: {error}") from error
 
-    def _hear_leader(self, verdict: torch.Tensor, optimizers: list[int]) -> str:
+    def _hear_leader(self, verdict: list[int], optimizers: list[int]) -> str:
         """A member's side: the leader's verdict and, when all went well, the parameters, landing in place."""
         try:
             frame = self.to_leader.receive()
-            if frame.kind != links.VERDICT or not frame.tensors or frame.tensors[0].shape != verdict.shape:
+            if frame.kind != links.VERDICT or not frame.tensors or frame.tensors[0].shape != (len(verdict),):
                 raise PeerLinkError(f"{self.to_leader.peer} sent a frame of kind {frame.kind}, not a verdict")
-            verdict.copy_(frame.tensors[0])
+            verdict[:] = frame.tensors[0].tolist()
             message = bytes(frame.tensors[1].numpy()).decode("utf-8", "replace") if len(frame.tensors) > 1 else ""
-            if int(verdict[0]) == links.OK:
+            if verdict[0] == links.OK:
                 self.to_leader.receive(into=self._flats(optimizers))
         except PeerLinkError as error:
             raise ServerError(
@@ -155,7 +166,7 @@ class GroupExchange:
                 "exit status") from error
         return message
 
-    def _leader_exchange(self, kind: int, index: int | None, optimizers: list[int], verdict: torch.Tensor) -> str:
+    def _leader_exchange(self, kind: int, index: int | None, optimizers: list[int], verdict: list[int]) -> str:
         """Request from every server, then read every answer; returns an error message, or ""."""
         failure = self._send_requests(kind, index, verdict)
         if failure:
@@ -163,7 +174,7 @@ class GroupExchange:
         with timeline.span("wait on servers", "async"):
             return self._read_answers(optimizers, verdict)
 
-    def _send_requests(self, kind: int, index: int | None, verdict: torch.Tensor) -> str:
+    def _send_requests(self, kind: int, index: int | None, verdict: list[int]) -> str:
         """One frame to every server (for a push, with the gradient of its shard); an error message, or ""."""
         for server, link in enumerate(self.servers):
             tensors: list[torch.Tensor] = []
@@ -176,34 +187,44 @@ class GroupExchange:
                 return self._failed(verdict, server, "could not be reached", error)
         return ""
 
-    def _read_answers(self, optimizers: list[int], verdict: torch.Tensor) -> str:
+    def _read_answers(self, optimizers: list[int], verdict: list[int]) -> str:
         """Every server's answer, its parameters landing in place; an error message, or ""."""
         verdict[0] = links.OK
         header = self._header
         for server, link in enumerate(self.servers):
+            key = (tuple(optimizers), server)
+            if (into := self._replies.get(key)) is None:
+                into = self._replies[key] = [header, *self._flats(optimizers, server)]
             try:
-                link.receive(into=[header, *self._flats(optimizers, server)])
+                link.receive(into=into)
             except (PeerLinkError, ValueError) as error:  # ValueError: a reply that does not fit: out of step
                 return self._failed(verdict, server, "stopped answering", error)
-            if int(header[0]) == links.SAVE_FAILED:
+            status, staleness, _, *codes = header.tolist()
+            if status == links.SAVE_FAILED:
                 verdict[0] = links.SAVE_FAILED
                 return ""
-            if int(header[0]) != links.OK:
+            if status != links.OK:
                 return self._dropped(verdict, server, links.Dropped.read(self.group_id) or "")
-            verdict[2 + server] = header[1]
-            self._note_departures(header[3:])
+            verdict[2 + server] = staleness
+            if any(codes):
+                self._note_departures(codes)
         return ""
 
     def _gradient(self, index: int, server: int) -> list[torch.Tensor]:
         """The frame of a push: learning rates, which parameters have a gradient, and each gradient from its own
-        memory (no packing: the frame's one `sendmsg` gathers them)."""
+        memory (no packing: the frame's one `sendmsg` gathers them). The first two are tensors kept from push to
+        push, rewritten only when the rates or the gradients present change."""
         shard = self.shards.shard(index, server)
         grads = [p.grad for p in shard.params]
-        present = torch.tensor([g is not None for g in grads], dtype=torch.uint8)
-        lrs = torch.tensor([float(g["lr"]) for g in self.shards.optimizers[index].param_groups], dtype=torch.float64)
-        return [lrs, present, *(_on_the_wire(g, p) for g, p in zip(grads, shard.params, strict=True))]
+        rates = [float(g["lr"]) for g in self.shards.optimizers[index].param_groups]
+        presence = [g is not None for g in grads]
+        kept = self._pushed.get((index, server))
+        if kept is None or kept[0] != rates or kept[2] != presence:
+            kept = self._pushed[(index, server)] = (rates, torch.tensor(rates, dtype=torch.float64), presence,
+                                                     torch.tensor(presence, dtype=torch.uint8))
+        return [kept[1], kept[3], *(_on_the_wire(g, p) for g, p in zip(grads, shard.params, strict=True))]
 
-    def _failed(self, verdict: torch.Tensor, server: int, what: str, error: BaseException | None) -> str:
+    def _failed(self, verdict: list[int], server: int, what: str, error: BaseException | None) -> str:
         verdict[0], verdict[1] = links.FAILED, server
         if (why := links.Dropped.read(self.group_id)) is not None:  # the servers went on without this group
             return self._dropped(verdict, server, why)
@@ -213,7 +234,7 @@ class GroupExchange:
                 f"{self.leader}) was at step {self.step}{cause}. The asynchronous run cannot go on without the "
                 "parameters that server holds; see that server's own error or exit status")
 
-    def _dropped(self, verdict: torch.Tensor, server: int, why: str) -> str:
+    def _dropped(self, verdict: list[int], server: int, why: str) -> str:
         verdict[0], verdict[1] = links.FAILED, server
         return (f"parameter server {server} (rank {self.mesh.server_ranks[server]}) dropped sync group "
                 f"{self.group_id} (leader rank {self.leader}) as hung, {self.step - 1} updates into the run: "
@@ -221,8 +242,8 @@ class GroupExchange:
                 f"A group that computes longer than REPLICATOR_TIMEOUT ({self.timeout_s:g} s) between optimizer "
                 "steps needs a larger REPLICATOR_TIMEOUT")
 
-    def _note_departures(self, codes: torch.Tensor) -> None:
-        for group, code in enumerate(codes.tolist()):
+    def _note_departures(self, codes: list[int]) -> None:
+        for group, code in enumerate(codes):
             if code and group not in self.departed:
                 self.departed[group] = "died" if code == DIED else "hung"
 
