@@ -1,25 +1,39 @@
-"""Asynchronous training: a straggler, updates/s against the peers' parameter-server patterns, DiLoCo's traffic.
+"""Asynchronous training: an update's round trip, a straggler, updates/s against the peers' parameter-server
+patterns, DiLoCo's traffic.
 
-Command (from the repository root; figures go to benchmarks/results/asynchronous.json; 45 jobs
-of 2 to 4 processes, each starting afresh: 8 to 25 minutes on 2 cores, as loaded):
+Command (from the repository root; figures go to benchmarks/results/asynchronous.json; about
+50 jobs of 2 to 4 processes, each starting afresh: 15 to 40 minutes on 2 cores, as loaded):
 
-    .venv/bin/python benchmarks/asynchronous.py                 # all three parts
-    .venv/bin/python benchmarks/asynchronous.py --part peers    # one part: straggler, peers or diloco
-    .venv/bin/python benchmarks/asynchronous.py --quick         # a smoke run of every part (1 to 3 minutes)
+    .venv/bin/python benchmarks/asynchronous.py                 # every part
+    .venv/bin/python benchmarks/asynchronous.py --part peers    # one part: transport, straggler, peers or diloco
+    .venv/bin/python benchmarks/asynchronous.py --quick         # a smoke run of every part (3 to 6 minutes)
 
-Every part trains the same MLP (64-256-256-10) on scikit-learn's digits (a fixed stratified
-split: 1,347 training and 450 test images, standardized on the training set), batch 32 per
-worker, 1 torch thread per process, every job in real processes joined by Gloo on 127.0.0.1:
+The peers and DiLoCo parts train an MLP (64-256-256-10, 85k parameters) on scikit-learn's digits
+(a fixed stratified split: 1,347 training and 450 test images, standardized on the training
+set), batch 32 per worker, 1 torch thread per process, every job in real processes joined by
+Gloo on 127.0.0.1:
 
+- *Transport.* 1 server + 1 worker of mode="async" with one parameter of 4 KB or of 85k floats
+  and next to no compute: the worker's median `optimizer.step()` (push, the server's SGD step,
+  the reply landing in place) and the CPU of both processes per update (from /proc, over the
+  timed updates only), against a local SGD step and against the echoes of
+  `benchmarks/peer_link.py` (the peer link over Unix and TCP, one Gloo message each way, a
+  `torch.distributed.rpc` `rpc_sync` echo) in turns with it.
 - *Straggler.* {sync (3 replicas), async S = 4, async unbounded (1 server + 3 workers)} x {with a
-  straggler, without}: the last worker sleeps after each step twice as long as the step took, so
-  its steps take 3x as long. Each worker trains the same number of steps on its own shard, so
-  every arm sees the same data. Rank 0 (a fast worker) copies the parameters at most every
-  `--snapshot-s` seconds and evaluates the copies after the run: evaluation costs no arm any time.
-  Figures: time to 95 % test accuracy, final accuracy, the fast workers' updates/s.
+  straggler, without}, on a wider MLP (64-1024-1024-10, 1.1M parameters, 6.4 ms of CPU per step,
+  SGD lr 0.002) so that time to target spans seconds of training, not start-up: the last worker
+  sleeps after each step twice as long as the step took, so its steps take 3x as long. Each
+  worker trains the same number of steps on its own shard, so every arm sees the same data.
+  Rank 0 (a fast worker) copies the parameters at most every `--snapshot-s` seconds and
+  evaluates the copies after the run: evaluation costs no arm any time. Figures: time to 95 %
+  test accuracy (with the ideal ratio to sync: every batch counting the same), final accuracy,
+  the fast workers' updates/s.
 - *Peers.* Parameter updates/s with 2 workers and no straggler: replicator's mode="async"
-  (1 server, 2 workers) against the PyTorch-RPC parameter-server pattern and the Ray
-  parameter-server pattern, both written here (`_peer_servers.py`).
+  (1 server, 2 workers) against the PyTorch-RPC parameter-server pattern, the Ray
+  parameter-server pattern (skipped where ray cannot be imported), both written here
+  (`_peer_servers.py`), and a ceiling (the same 2 workers with local optimizers, no server);
+  CPU ms per update summed over every process of an arm, and the share of a worker's time
+  blocked on its server.
 - *DiLoCo.* 2 groups of 1 replica, H in {1, 8, 32}, against mode="sync" with the same steps and
   batches: test accuracy after a fixed number of inner steps, and the bytes per step each process
   hands to reductions (`repl.last_run`).
