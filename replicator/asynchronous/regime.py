@@ -201,6 +201,8 @@ class AsyncRegime(Regime):
                                   share=share, rng=not self.serves)
 
     def close(self) -> None:
-        for end in (self._server, self._exchange):
+        """Close this process's links (once: a later close does nothing)."""
+        ends, self._server, self._exchange = (self._server, self._exchange), None, None
+        for end in ends:
             if end is not None:
                 end.close()
