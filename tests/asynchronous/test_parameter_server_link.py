@@ -1,4 +1,4 @@
-"""Parameter servers on the peer link: over sockets and over Gloo alike, replies landing in place, deaths by end of file."""
+"""Parameter servers on the peer link: over sockets and over Gloo, replies landing in place, deaths by end of file."""
 
 from __future__ import annotations
 
