@@ -94,10 +94,12 @@ def rpc_rate_job(hidden: int, batch: int, lr: float, seed: int, steps: int) -> d
     # torch's own TensorPipe set-up gathers its device maps through a deprecated path and says so on every rank.
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
     rpc.init_rpc("server" if is_server else f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
+    cpu = time.process_time()  # every thread of the process: TensorPipe's included
     if is_server:
         rpc.shutdown()  # waits for every worker's shutdown: serves until they are done
         assert _server is not None
-        return {"stamps": [], "updates": _server.updates, "moved": _moved(_server.model, hidden, seed)}
+        return {"stamps": [], "updates": _server.updates, "moved": _moved(_server.model, hidden, seed),
+                "cpu_s": time.process_time() - cpu}
     server = rpc.remote("server", rpc_server, args=(hidden, lr, seed))
     model = make_model(hidden, seed)
     batches = shard_batches(train_x, train_y, batch, rank, world - 1, steps, seed)
@@ -107,8 +109,9 @@ def rpc_rate_job(hidden: int, batch: int, lr: float, seed: int, steps: int) -> d
         gradient_step(model, inputs)
         _load(model, server.rpc_sync().apply_gradients([p.grad for p in model.parameters()]))
         stamps.append(time.monotonic())
+    cpu = time.process_time() - cpu
     rpc.shutdown()
-    return {"stamps": stamps, "updates": None, "moved": _moved(model, hidden, seed)}
+    return {"stamps": stamps, "updates": None, "moved": _moved(model, hidden, seed), "cpu_s": cpu}
 
 
 # -- Ray -----------------------------------------------------------------------------------------

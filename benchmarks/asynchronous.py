@@ -1,25 +1,39 @@
-"""Asynchronous training: a straggler, updates/s against the peers' parameter-server patterns, DiLoCo's traffic.
+"""Asynchronous training: an update's round trip, a straggler, updates/s against the peers' parameter-server
+patterns, DiLoCo's traffic.
 
-Command (from the repository root; figures go to benchmarks/results/asynchronous.json; 45 jobs
-of 2 to 4 processes, each starting afresh: 8 to 25 minutes on 2 cores, as loaded):
+Command (from the repository root; figures go to benchmarks/results/asynchronous.json; about
+50 jobs of 2 to 4 processes, each starting afresh: 15 to 40 minutes on 2 cores, as loaded):
 
-    .venv/bin/python benchmarks/asynchronous.py                 # all three parts
-    .venv/bin/python benchmarks/asynchronous.py --part peers    # one part: straggler, peers or diloco
-    .venv/bin/python benchmarks/asynchronous.py --quick         # a smoke run of every part (1 to 3 minutes)
+    .venv/bin/python benchmarks/asynchronous.py                 # every part
+    .venv/bin/python benchmarks/asynchronous.py --part peers    # one part: transport, straggler, peers or diloco
+    .venv/bin/python benchmarks/asynchronous.py --quick         # a smoke run of every part (3 to 6 minutes)
 
-Every part trains the same MLP (64-256-256-10) on scikit-learn's digits (a fixed stratified
-split: 1,347 training and 450 test images, standardized on the training set), batch 32 per
-worker, 1 torch thread per process, every job in real processes joined by Gloo on 127.0.0.1:
+The peers and DiLoCo parts train an MLP (64-256-256-10, 85k parameters) on scikit-learn's digits
+(a fixed stratified split: 1,347 training and 450 test images, standardized on the training
+set), batch 32 per worker, 1 torch thread per process, every job in real processes joined by
+Gloo on 127.0.0.1:
 
+- *Transport.* 1 server + 1 worker of mode="async" with one parameter of 4 KB or of 85k floats
+  and next to no compute: the worker's median `optimizer.step()` (push, the server's SGD step,
+  the reply landing in place) and the CPU of both processes per update (from /proc, over the
+  timed updates only), against a local SGD step and against the echoes of
+  `benchmarks/peer_link.py` (the peer link over Unix and TCP, one Gloo message each way, a
+  `torch.distributed.rpc` `rpc_sync` echo) in turns with it.
 - *Straggler.* {sync (3 replicas), async S = 4, async unbounded (1 server + 3 workers)} x {with a
-  straggler, without}: the last worker sleeps after each step twice as long as the step took, so
-  its steps take 3x as long. Each worker trains the same number of steps on its own shard, so
-  every arm sees the same data. Rank 0 (a fast worker) copies the parameters at most every
-  `--snapshot-s` seconds and evaluates the copies after the run: evaluation costs no arm any time.
-  Figures: time to 95 % test accuracy, final accuracy, the fast workers' updates/s.
+  straggler, without}, on a wider MLP (64-1024-1024-10, 1.1M parameters, 6.4 ms of CPU per step,
+  SGD lr 0.002) so that time to target spans seconds of training, not start-up: the last worker
+  sleeps after each step twice as long as the step took, so its steps take 3x as long. Each
+  worker trains the same number of steps on its own shard, so every arm sees the same data.
+  Rank 0 (a fast worker) copies the parameters at most every `--snapshot-s` seconds and
+  evaluates the copies after the run: evaluation costs no arm any time. Figures: time to 95 %
+  test accuracy (with the ideal ratio to sync: every batch counting the same), final accuracy,
+  the fast workers' updates/s.
 - *Peers.* Parameter updates/s with 2 workers and no straggler: replicator's mode="async"
-  (1 server, 2 workers) against the PyTorch-RPC parameter-server pattern and the Ray
-  parameter-server pattern, both written here (`_peer_servers.py`).
+  (1 server, 2 workers) against the PyTorch-RPC parameter-server pattern, the Ray
+  parameter-server pattern (skipped where ray cannot be imported), both written here
+  (`_peer_servers.py`), and a ceiling (the same 2 workers with local optimizers, no server);
+  CPU ms per update summed over every process of an arm, and the share of a worker's time
+  blocked on its server.
 - *DiLoCo.* 2 groups of 1 replica, H in {1, 8, 32}, against mode="sync" with the same steps and
   batches: test accuracy after a fixed number of inner steps, and the bytes per step each process
   hands to reductions (`repl.last_run`).
@@ -55,12 +69,15 @@ from _harness import (
     write_json,
 )
 from _peer_servers import ray_missing, ray_rates, rpc_rate_job
+from peer_link import SIZES
+from peer_link import _measure as link_round_trips
 
 import replicator as rp
 from replicator.launch import heap_kept_environment
 from replicator.testing import run_replicas
+from replicator.testing.processes import free_port
 
-PARTS = ("straggler", "peers", "diloco")
+PARTS = ("transport", "straggler", "peers", "diloco")
 
 
 @dataclass(frozen=True)
@@ -69,14 +86,19 @@ class Config:
     batch: int = 32  # per worker (replica) and step
     lr: float = 0.02  # SGD with momentum 0.9, applied alike by servers, replicas and the peers' servers
     seed: int = 0
-    # straggler
+    # straggler: a wider MLP, so that a step takes >= 5 ms of CPU and time to target measures training, not start-up
+    straggler_hidden: int = 1024  # 1.1M parameters: 6.4 ms of CPU per step of batch 32 on one core
+    straggler_lr: float = 0.002
     straggler_repeats: int = 3
-    straggler_steps: int = 240  # per worker: 3 workers x 240 x 32 = 17 passes over the training set
+    straggler_steps: int = 800  # per worker: 3 workers x 800 x 32 = 57 passes over the training set
     slow_factor: float = 3.0
     target: float = 0.95
     max_staleness: int = 4
     snapshot_s: float = 0.05
     straggler_all_arms: bool = True
+    # transport
+    transport_repeats: int = 3
+    transport_updates: int = 400  # timed updates per size and repetition (after 20 of warm-up)
     # peers
     peer_repeats: int = 5
     peer_warmup: int = 20
@@ -88,8 +110,134 @@ class Config:
     inner_lr: float = 1e-3  # Adam, the paper's inner optimizer family
 
 
-QUICK = Config(straggler_repeats=1, straggler_steps=120, straggler_all_arms=False,
-               peer_repeats=1, peer_warmup=10, peer_steps=60, diloco_seeds=(0,), diloco_steps=64, outer_every=(32,))
+QUICK = Config(transport_repeats=1, transport_updates=100, straggler_repeats=1, straggler_steps=600,
+               straggler_all_arms=False, peer_repeats=1, peer_warmup=10, peer_steps=60, diloco_seeds=(0,),
+               diloco_steps=64, outer_every=(32,))
+
+
+# -- transport -----------------------------------------------------------------------------------
+
+WARMUP_UPDATES = 20
+
+
+class _Vector(torch.nn.Module):
+    """One parameter of `numel` float32s: an update moves exactly the bytes of the round trips it is compared with."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(numel))
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User and system CPU of every thread of these processes so far (/proc: they run on this machine)."""
+    ticks = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def update_job(numel: int, updates: int) -> dict[str, Any]:
+    """mode="async" with 1 server and 1 worker and next to no compute: the update round trip as the worker sees it
+    (optimizer.step(): the push, the server's SGD step, the reply landing in place), and the CPU both processes
+    spend over the timed updates (read by the worker from /proc, warm-up, start-up and finish left out).
+
+    The worker first runs the same steps with a local optimizer (no server): the CPU an update costs without the
+    exchange, so that what the exchange adds can be told apart."""
+    torch.set_num_threads(1)
+    repl = rp.Replicator(mode="async", parameter_servers=1)
+    with repl.scope():
+        model = _Vector(numel)
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
+    pids = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(pids, torch.tensor([os.getpid()]))
+    direction = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    local_cpu = None
+    if not repl.regime.serves:
+        alone = _Vector(numel)
+        local = torch.optim.SGD(alone.parameters(), lr=1e-3, momentum=0.9)
+        local_cpu = time.process_time()
+        for _ in range(updates):
+            local.zero_grad()
+            (alone.w * direction).sum().backward()
+            local.step()
+        local_cpu = (time.process_time() - local_cpu) / updates
+    trips: list[float] = []
+    window: list[float] = []
+    total = WARMUP_UPDATES + updates
+
+    def step_fn(ctx: rp.ReplicaContext, batch: Any) -> None:
+        if ctx.step == WARMUP_UPDATES:
+            window.extend(cpu_seconds([int(pid)]) for pid in pids)
+        optimizer.zero_grad()
+        (model.w * direction).sum().backward()
+        started = time.perf_counter()
+        optimizer.step()
+        trips.append(time.perf_counter() - started)
+        if ctx.step == total - 1:
+            window.extend(cpu_seconds([int(pid)]) for pid in pids)
+
+    for _ in repl.run(step_fn, repl.prepare_input(lambda ctx: [0] * total), steps=total, progress=False):
+        pass
+    figures = repl.last_run.get("asynchronous", {})
+    repl.close()
+    return {"round_trip_s": statistics.median(trips[WARMUP_UPDATES:]) if trips else None,
+            "cpu_s": window[2] + window[3] - window[0] - window[1] if len(window) == 4 else None,
+            "worker_cpu_s": window[2] - window[0] if len(window) == 4 else None, "updates": updates,
+            "local_cpu_s": local_cpu, "transport": figures.get("transport")}
+
+
+def run_transport(config: Config) -> tuple[dict[str, Any], list[str], bool]:
+    """Update round trips through mode="async" against the raw round trips of benchmarks/peer_link.py."""
+    rows: dict[str, dict[str, list[float]]] = {size: {} for size in SIZES}
+    transports: set[str] = set()
+    for repetition in range(config.transport_repeats):
+        for size, numel in SIZES.items():
+            worker, _ = run_replicas(update_job, 2, numel, config.transport_updates, timeout_s=300)
+            transports.add(str(worker["transport"]))
+            row = rows[size]
+            row.setdefault("update", []).append(worker["round_trip_s"])
+            row.setdefault("update_cpu", []).append(worker["cpu_s"] / worker["updates"])
+            row.setdefault("worker_cpu", []).append(worker["worker_cpu_s"] / worker["updates"])
+            row.setdefault("local_cpu", []).append(worker["local_cpu_s"])
+        raw = run_replicas(link_round_trips, 2, free_port(), 1, max(50, config.transport_updates // 4),
+                           timeout_s=600)[1]  # one kept phase of every arm (the first warms up)
+        for size in SIZES:
+            for arm, values in raw["walls"][size].items():
+                rows[size].setdefault(arm, []).extend(values)
+                rows[size].setdefault(f"{arm} cpu", []).extend(raw["cpus"][size][arm])
+        print(f"  transport, repetition {repetition + 1}: " + ", ".join(
+            f"{size}: update {1e6 * rows[size]['update'][-1]:.0f} µs, "
+            f"rpc_sync {1e6 * rows[size]['rpc_sync echo'][-1]:.0f} µs" for size in SIZES), flush=True)
+    lines = [f"\nTransport: round trips on one node, 2 processes, {config.transport_repeats} repetition(s); "
+             f"carrier of mode='async': {', '.join(sorted(transports))}", "",
+             "| size | contender | round trip µs (median) | vs rpc_sync echo (paired) | CPU µs, both processes |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    healthy = True
+    for size in SIZES:
+        row = rows[size]
+        rpc = row["rpc_sync echo"]
+        for arm, label in (("update", "mode='async' update (push, SGD step, reply in place)"),
+                           ("peer link (unix)", "peer link (unix), echo"), ("peer link (tcp)", "peer link (tcp), echo"),
+                           ("gloo send/recv", "one Gloo message each way"), ("rpc_sync echo", "rpc_sync echo")):
+            cpu = row["update_cpu"] if arm == "update" else row[f"{arm} cpu"]
+            lines.append(f"| {size} | {label} | {_spread([1e6 * v for v in row[arm]], '{:.0f}')} "
+                         f"| {_ratio(_paired_optional(row[arm], rpc))} | {_spread([1e6 * v for v in cpu], '{:.0f}')} |")
+        over = [a - b for a, b in zip(row["update_cpu"], row["local_cpu"], strict=True)]
+        lines.append(f"| {size} | what an update's exchange costs in CPU beyond a local SGD step, both processes | | "
+                     f"| {_spread([1e6 * v for v in over], '{:.0f}')} |")
+        split = [(1e6 * w, 1e6 * (t - w)) for w, t in zip(row["worker_cpu"], row["update_cpu"], strict=True)]
+        lines.append(f"| {size} | an update's CPU: the worker's, the server's | | "
+                     f"| {_spread([w for w, _ in split], '{:.0f}')}, {_spread([v for _, v in split], '{:.0f}')} |")
+        healthy &= all(v is not None for v in row["update"])
+    lines.append("  the old chain (a ticket in the store, the server polling it, 6 Gloo messages) is gone; issue 30 "
+                 "measured it at 4.6-6.8 ms and 3.3 ms of server CPU per 85k-parameter update")
+    lines.append("  update CPU: the worker's and the server's (every thread, /proc, 10 ms ticks) over the timed "
+                 "updates, per update; the echoes': time.process_time() of both processes (benchmarks/peer_link.py)")
+    if ray_missing():
+        lines.append("  ray's actor echo: not measured (ray cannot be imported here)")
+    return {"rows": rows, "transports": sorted(transports)}, lines, healthy
 
 
 # -- straggler -----------------------------------------------------------------------------------
@@ -137,8 +285,8 @@ def straggler_job(config: Config, arm: Arm) -> dict[str, Any]:
     train_x, train_y, test_x, test_y = digits()
     repl = _replicator(arm)
     with repl.scope():
-        model = make_model(config.hidden, config.seed)
-        optimizer = repl.wrap_optimizer(make_optimizer(model.parameters(), config.lr))
+        model = make_model(config.straggler_hidden, config.seed)
+        optimizer = repl.wrap_optimizer(make_optimizer(model.parameters(), config.straggler_lr))
     me: dict[str, Any] = {"pipeline": None, "slow": False}
 
     def input_fn(ctx: rp.InputContext) -> list[Batch]:
@@ -207,6 +355,7 @@ def straggler_figures(config: Config, arm: Arm, results: list[dict[str, Any]]) -
         "time_to_target_s": time_to_target,
         "final_accuracy": first["final_accuracy"],
         "fast_updates_per_s": sum(_rate(r["stamps"], skip) for r in fast),
+        "fast_step_s": statistics.median(_median_step(r["stamps"]) for r in fast),
         "slowdown_of_last_worker": _median_step(last["stamps"]) / statistics.median(
             _median_step(r["stamps"]) for r in fast),
         "run_seconds": max(r["seconds"] for r in workers),
@@ -221,6 +370,14 @@ def straggler_figures(config: Config, arm: Arm, results: list[dict[str, Any]]) -
     return figures
 
 
+def ideal_ratio(config: Config, workers: int = 3) -> float:
+    """Time to target of asynchronous training over synchronous with one worker slow_factor times slower, if every
+    batch counted the same wherever it was computed: sync moves at the slowest worker's pace (workers batches per
+    slow step), async at every worker's own (workers - 1 + 1 / slow_factor batches per fast step)."""
+    synchronous = workers / config.slow_factor
+    return synchronous / (workers - 1 + 1 / config.slow_factor)
+
+
 def run_straggler(config: Config) -> tuple[dict[str, Any], list[str], bool]:
     arms = straggler_arms(config)
     runs: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in arms}
@@ -230,8 +387,13 @@ def run_straggler(config: Config) -> tuple[dict[str, Any], list[str], bool]:
         runs[arm.name].append(straggler_figures(config, arm, results))
         print(f"  straggler, repetition {repetition + 1}, {arm.name}: "
               f"{_seconds(runs[arm.name][-1]['time_to_target_s'])} to {config.target:.0%}", flush=True)
-    lines = [f"\nStraggler: 3 workers, batch {config.batch} each, {config.straggler_steps} steps per worker; "
-             f"time to {config.target:.0%} test accuracy (rank 0's copies, every {config.snapshot_s:g} s):", "",
+    parameters = sum(p.numel() for p in make_model(config.straggler_hidden, config.seed).parameters())
+    fast_steps = [1e3 * f["fast_step_s"] for arm in arms for f in runs[arm.name] if f.get("fast_step_s")]
+    lines = [f"\nStraggler: 3 workers, MLP 64-{config.straggler_hidden}-{config.straggler_hidden}-10 ({parameters:,} "
+             f"parameters), SGD lr {config.straggler_lr:g}, batch {config.batch} each, {config.straggler_steps} steps "
+             f"per worker (a fast worker's step: {_spread(fast_steps, '{:.1f}')} ms); time to {config.target:.0%} "
+             f"test accuracy (rank 0's copies, every {config.snapshot_s:g} s); the ideal ratio to sync with the "
+             f"straggler is {ideal_ratio(config):.2f} (every batch counting the same):", "",
              "| arm | time to target (s) | vs sync, straggler (paired) | final accuracy | fast workers' updates/s "
              "| vs no straggler (paired) | last worker's step / fast's | fast workers blocked on the server |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -302,12 +464,34 @@ def replicator_rate_job(config: Config) -> dict[str, Any]:
 
     inputs = repl.prepare_input(input_fn)
     dist.barrier()  # the workers start together
-    begun = time.monotonic()
+    begun, cpu = time.monotonic(), time.process_time()
     stamps = [time.monotonic() for _ in repl.run(step_fn, inputs, steps=steps, progress=False)]
+    cpu = time.process_time() - cpu  # every thread of the process, from run()'s start to its end
     figures = repl.last_run.get("asynchronous", {})
     repl.close()
     waiting = figures["wait_seconds"] / (stamps[-1] - begun) if stamps else None
     return {"stamps": stamps, "updates": figures["versions"][0] if "versions" in figures else None, "waiting": waiting,
+            "moved": float((_flat(model) - _flat(make_model(config.hidden, config.seed))).abs().max()),
+            "cpu_s": cpu, "transport": figures.get("transport")}
+
+
+def ceiling_rate_job(config: Config) -> dict[str, Any]:
+    """The ceiling: the same 2 workers, each with its own optimizer and no server (nothing to wait for)."""
+    torch.set_num_threads(1)
+    train_x, train_y, _, _ = digits()
+    rank, workers = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    model = make_model(config.hidden, config.seed)
+    optimizer = make_optimizer(model.parameters(), config.lr)
+    steps = config.peer_warmup + config.peer_steps
+    batches = shard_batches(train_x, train_y, config.batch, rank, workers, steps, config.seed)
+    stamps, cpu = [], time.process_time()
+    for inputs, labels in batches:
+        loss = F.cross_entropy(model(inputs), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        stamps.append(time.monotonic())
+    return {"stamps": stamps, "updates": steps, "cpu_s": time.process_time() - cpu,
             "moved": float((_flat(model) - _flat(make_model(config.hidden, config.seed))).abs().max())}
 
 
@@ -322,58 +506,85 @@ def window_rate(stamps: Sequence[Sequence[float]], warmup: int) -> float:
     return count / (end - start) if end > start else float("nan")
 
 
+CEILING = "ceiling: local optimizers, no server"
+
+
 def run_peers(config: Config) -> tuple[dict[str, Any], list[str], bool]:
-    contenders = ["replicator mode=async", "torch.distributed.rpc pattern", "ray pattern"]
+    contenders = ["replicator mode=async", "torch.distributed.rpc pattern", "ray pattern", CEILING]
     notes: list[str] = []
     if (missing := ray_missing()) is not None:
         contenders.remove("ray pattern")
         notes.append(missing)
         print(f"  {missing}", flush=True)
     rates: dict[str, list[float]] = {name: [] for name in contenders}
+    cpu_ms: dict[str, list[float]] = {name: [] for name in contenders}  # per update, every process of the arm
     waiting: list[float] = []  # replicator's workers: share of their time blocked on the server
+    transports: set[str] = set()
     healthy = True
-    timeout = 120.0 + 0.5 * (config.peer_warmup + config.peer_steps)
+    total = config.peer_warmup + config.peer_steps
+    timeout = 120.0 + 0.5 * total
     for repetition, name in in_turns(contenders, config.peer_repeats):
+        cpu: float | None = None
         if name == "replicator mode=async":
             results = run_replicas(replicator_rate_job, 3, config, timeout_s=timeout)
             stamps = [r["stamps"] for r in results[:2]]
             waiting.append(statistics.median(r["waiting"] for r in results[:2]))
             updates, moved = results[2]["updates"], min(r["moved"] for r in results)
+            cpu = sum(r["cpu_s"] for r in results)
+            transports.update(r["transport"] for r in results[:2])
         elif name == "torch.distributed.rpc pattern":
             results = run_replicas(rpc_rate_job, 3, config.hidden, config.batch, config.lr, config.seed,
-                                   config.peer_warmup + config.peer_steps, timeout_s=timeout)
+                                   total, timeout_s=timeout)
             stamps = [r["stamps"] for r in results[:2]]
             updates, moved = results[2]["updates"], min(r["moved"] for r in results[:2])
+            cpu = sum(r["cpu_s"] for r in results)
+        elif name == CEILING:
+            results = run_replicas(ceiling_rate_job, 2, config, timeout_s=timeout)
+            stamps = [r["stamps"] for r in results]
+            updates, moved = sum(r["updates"] for r in results), min(r["moved"] for r in results)
+            cpu = sum(r["cpu_s"] for r in results)
         else:
-            outcome = ray_rates(config.hidden, config.batch, config.lr, config.seed,
-                                config.peer_warmup + config.peer_steps)
+            outcome = ray_rates(config.hidden, config.batch, config.lr, config.seed, total)
             stamps, updates, moved = outcome["stamps"], outcome["updates"], outcome["moved"]
         rate = window_rate(stamps, config.peer_warmup)
         rates[name].append(rate)
-        ok = updates == 2 * (config.peer_warmup + config.peer_steps) and moved > 1e-6
+        if cpu is not None:
+            cpu_ms[name].append(1e3 * cpu / (2 * total))
+        ok = updates == 2 * total and moved > 1e-6
         healthy &= ok
         print(f"  peers, repetition {repetition + 1}, {name}: {rate:,.0f} updates/s"
+              f"{f', {cpu_ms[name][-1]:.2f} CPU ms per update' if cpu is not None else ''}"
               f"{'' if ok else f' (CHECK FAILED: {updates} updates applied, moved {moved:.3g})'}", flush=True)
     peer_names = [n for n in contenders if n != "replicator mode=async"]
     lines = [f"\nPeers: parameter updates/s, 1 server + 2 workers, no straggler, batch {config.batch}, "
              f"{config.peer_steps} timed updates per worker after {config.peer_warmup}:", "",
-             "| contender | updates/s (median) | range | replicator / this (paired) |",
-             "| --- | ---: | ---: | ---: |"]
+             "| contender | updates/s (median) | range | replicator / this (paired) | CPU ms per update, every "
+             "process (median) | over the ceiling's |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     ours = rates["replicator mode=async"]
     for name in rates:
         measured = [rate for rate in rates[name] if math.isfinite(rate)]
         spread = Spread.of(measured) if measured else Spread(math.nan, math.nan, math.nan)
         ratio = "(this package)" if name == "replicator mode=async" else _ratio(_paired_optional(ours, rates[name]))
-        lines.append(f"| {name} | {spread.median:,.0f} | {spread.min:,.0f}–{spread.max:,.0f} | {ratio} |")
+        spent = _spread(cpu_ms[name]) if cpu_ms[name] else "-"
+        over = "-" if name == CEILING or not cpu_ms[name] else _spread(
+            [a - b for a, b in zip(cpu_ms[name], cpu_ms[CEILING], strict=False)])
+        lines.append(f"| {name} | {spread.median:,.0f} | {spread.min:,.0f}–{spread.max:,.0f} | {ratio} | {spent} "
+                     f"| {over} |")
         if len(measured) < len(rates[name]):
             notes.append(f"{name}: in {len(rates[name]) - len(measured)} repetition(s) the workers' timed phases did "
                          "not overlap; left out")
     lines.append(f"  replicator's workers spent {_spread([100 * w for w in waiting], '{:.0f}')} % of their time "
-                 "blocked on the server (repl.last_run['asynchronous']['wait_seconds'])")
+                 f"blocked on the server (repl.last_run['asynchronous']['wait_seconds']); carrier: "
+                 f"{', '.join(sorted(map(str, transports)))}")
+    lines.append("  CPU: time.process_time() of every process of the arm (all its threads), over run() or the "
+                 "training loop (warm-up included), per update; 'over the ceiling' is what the exchange costs "
+                 "beyond the same training with a local optimizer (paired by repetition)")
     lines += [f"  {note}" for note in notes]
-    lines.append(f"  checks: every server applied exactly 2 x {config.peer_warmup + config.peer_steps} updates "
+    lines.append(f"  checks: every server applied exactly 2 x {total} updates "
                  f"and the weights moved: {'yes' if healthy else 'NO'}")
-    return {"rates": rates, "peers": peer_names, "notes": notes, "replicator_wait_share": waiting}, lines, healthy
+    return {"rates": rates, "cpu_ms_per_update": cpu_ms, "peers": peer_names, "notes": notes,
+            "replicator_wait_share": waiting, "transports": sorted(map(str, transports))}, lines, healthy
 
 
 # -- DiLoCo --------------------------------------------------------------------------------------
@@ -473,20 +684,28 @@ def _ratio(value: float | None) -> str:
 
 
 def targets(config: Config, report: dict[str, Any]) -> list[str]:
-    """Issue 17's targets, each with the figure that meets or misses it."""
-    lines = ["\nTargets (issue 17):"]
+    """Issues 17's and 30's targets, each with the figure that meets or misses it."""
+    lines = ["\nTargets (issues 17 and 30):"]
 
     def say(claim: str, met: bool | None, figure: str) -> None:
         verdict = "not measured" if met is None else ("met" if met else "MISSED")
         lines.append(f"  {claim}: {figure} -> {verdict}")
 
+    if "transport" in report:
+        row = report["transport"]["rows"]["85k params (340 KB)"]
+        ratio = _paired_optional(row["update"], row["rpc_sync echo"])
+        say("an 85k-parameter update's round trip <= 0.5x the rpc_sync echo's", None if ratio is None else ratio <= 0.5,
+            f"{_ratio(ratio)}x")
+        over = statistics.median(a - b for a, b in zip(row["update_cpu"], row["local_cpu"], strict=True))
+        say("<= 0.3 ms of CPU per 85k-parameter update, both sides (beyond a local SGD step)", over <= 0.3e-3,
+            f"{1e3 * over:.2f} ms ({1e3 * statistics.median(row['update_cpu']):.2f} ms in all)")
     if "straggler" in report:
         runs = report["straggler"]["runs"]
         bounded = runs[Arm("async", config.max_staleness, True).name]
         sync = runs[Arm("sync", None, True).name]
         ratio = _paired_optional([f["time_to_target_s"] for f in bounded], [f["time_to_target_s"] for f in sync])
         say(f"S={config.max_staleness} reaches {config.target:.0%} in <= 0.6x sync's time", None if ratio is None
-            else ratio <= 0.6, f"{_ratio(ratio)}x")
+            else ratio <= 0.6, f"{_ratio(ratio)}x (ideal {ideal_ratio(config):.2f}x)")
         gap = statistics.median(100 * (b["final_accuracy"] - s["final_accuracy"])
                                 for b, s in zip(bounded, sync, strict=True))
         say(f"S={config.max_staleness} final accuracy within 0.5 points of sync (or above it)", gap >= -0.5,
@@ -503,6 +722,9 @@ def targets(config: Config, report: dict[str, Any]) -> list[str]:
                 say(f"updates/s >= {needed:g}x the {name}", ratio >= needed, f"{ratio:.2f}x")
             else:
                 say(f"updates/s >= {needed:g}x the {name}", None, "skipped")
+        share = report["peers"]["replicator_wait_share"]
+        say("a worker blocked on its server <= 40% of its time", statistics.median(share) <= 0.4,
+            f"{100 * statistics.median(share):.0f}%")
     if "diloco" in report:
         rows = report["diloco"]["rows"]
         sync = [r for r in rows if r["outer_every"] is None]
@@ -546,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
     healthy = True
     for part in parts:
         started = time.perf_counter()
-        figures, part_lines, ok = {"straggler": run_straggler, "peers": run_peers, "diloco": run_diloco}[part](config)
+        figures, part_lines, ok = {"transport": run_transport, "straggler": run_straggler, "peers": run_peers,
+                                   "diloco": run_diloco}[part](config)
         report[part] = figures
         lines += part_lines + [f"  ({time.perf_counter() - started:.0f} s)"]
         healthy &= ok

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from replicator.asynchronous import exchange
-from replicator.asynchronous.links import InsertLink, WeightsLink
+from replicator.asynchronous.actor_links import InsertLink, WeightsLink
 from replicator.asynchronous.nstep import NStepAdder
 from replicator.asynchronous.replay import Replay
 from replicator.asynchronous.roles import Roles, shards_fed_by

@@ -14,10 +14,11 @@ from replicator import checkpoint
 from replicator.asynchronous.checkpoints import restore_share, worker_state, write_cut
 from replicator.asynchronous.report import Reports, group_lines, print_report
 from replicator.asynchronous.server import ParameterServer
+from replicator.asynchronous.server_links import Links
 from replicator.asynchronous.settings import AsyncSettings, check_shardable
 from replicator.asynchronous.shards import ShardMap
-from replicator.asynchronous.wire import Heartbeat
 from replicator.asynchronous.worker import GroupExchange
+from replicator.comm.gloo_peer import use_sockets
 from replicator.context import InputContext
 from replicator.epochs import InputPosition
 from replicator.errors import ReplicatorUsageError
@@ -98,16 +99,15 @@ class AsyncRegime(Regime):
         self._runs = 0
         self._server: ParameterServer | None = None
         self._exchange: GroupExchange | None = None
-        self._heartbeat: Heartbeat | None = None
+        everyone = job.groups.everyone
+        assert everyone is not None
+        # Sockets, or Gloo for every pair when some process cannot use them: the whole job decides, here.
+        self.links = Links(mesh, use_sockets(everyone), job.timeout_s)
+        job.close_with(self)
         if not self.serves:
             # One input pipeline per worker: the groups read different data, as synchronous replicas do.
             position.context = InputContext(num_replicas=mesh.num_replicas, replica_id=mesh.replica_id,
                                             input_pipeline_id=mesh.rank, num_input_pipelines=mesh.num_workers)
-            if mesh.rank == mesh.group_partition[mesh.group_id][0]:
-                # From the start, so servers can tell a group still building its model from a dead one.
-                self._heartbeat = Heartbeat(mesh.group_id)
-                self._heartbeat.start()
-                job.close_with(self)
 
     def input_fn(self, input_fn: Callable[[InputContext], Iterable[Any]]) -> Callable[[InputContext], Iterable[Any]]:
         """Servers read no data: their input is empty and input_fn is never called there."""
@@ -129,11 +129,9 @@ class AsyncRegime(Regime):
             return {"asynchronous": self._serving().serve()}
 
     def _serving(self) -> ParameterServer:
-        groups = self.job.groups
-        assert groups.everyone is not None
         if self._server is None:
-            self._server = ParameterServer(self.mesh, groups.everyone, groups.replica_control, self._shards(),
-                                           self.settings.max_staleness, self.job.timeout_s, self._write)
+            self._server = ParameterServer(self.mesh, self.job.groups.replica_control, self._shards(),
+                                           self.settings.max_staleness, self.job.timeout_s, self._write, self.links)
         return self._server
 
     def _write(self, states: dict[int, bytes]) -> Path:
@@ -154,11 +152,9 @@ class AsyncRegime(Regime):
         exchange.pull()
 
     def _exchanging(self) -> GroupExchange:
-        groups = self.job.groups
-        assert groups.everyone is not None
         if self._exchange is None:
-            self._exchange = GroupExchange(self.mesh, groups.everyone, groups.replica_control, self._shards(),
-                                           self.settings.max_staleness, self.job.timeout_s)
+            self._exchange = GroupExchange(self.mesh, self.job.groups.replica_control, self._shards(),
+                                           self.settings.max_staleness, self.job.timeout_s, self.links)
         return self._exchange
 
     def finish(self, times: StepTimes, show: bool) -> dict[str, Any]:
@@ -176,7 +172,7 @@ class AsyncRegime(Regime):
         if self.mesh.rank == 0 and exchange.departed:
             print(f"replicator: sync group(s) {exchange.departed} left the run early; see the servers' report",
                   file=sys.stderr, flush=True)
-        figures: dict[str, Any] = {"role": "worker", "group": self.mesh.group_id,
+        figures: dict[str, Any] = {"role": "worker", "group": self.mesh.group_id, "transport": exchange.transport,
                                    "departed": dict(exchange.departed), **exchange.record.summary()}
         if self.mesh.rank != 0:  # the main worker reads every group's: the store may leave with it (rank 0 holds
             return {"asynchronous": figures}  # it under a plain multiprocessing start), so no other worker tries
@@ -211,5 +207,8 @@ class AsyncRegime(Regime):
                                   share=share, rng=not self.serves)
 
     def close(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
+        """Close this process's links (once: a later close does nothing)."""
+        ends, self._server, self._exchange = (self._server, self._exchange), None, None
+        for end in ends:
+            if end is not None:
+                end.close()

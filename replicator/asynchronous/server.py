@@ -1,31 +1,32 @@
-"""Internal: a parameter server: applies the user's optimizer to its shard as group gradients arrive,
-within the staleness bound, one request at a time (so no two workers ever race on its parameters)."""
+"""Internal: a parameter server: one event loop applies the user's optimizer to its shard as group gradients
+arrive over the peer link, within the staleness bound, one frame at a time (so no two workers ever race on its
+parameters)."""
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from replicator.asynchronous import wire
+from replicator.asynchronous import server_links as links
 from replicator.asynchronous.shards import Shard, ShardMap
 from replicator.asynchronous.staleness import StalenessRecord
+from replicator.comm.frames import Frame, TensorSpec
+from replicator.comm.peer_link import Peer, PeerLinkError
 from replicator.identity import broadcast_from_first
 from replicator.timeline import recorder as timeline
 from replicator.topology import Mesh
 
-__all__ = ["ParameterServer", "DIED", "HUNG", "HEADER", "reply_header_size"]
+__all__ = ["ParameterServer", "DIED", "HUNG", "reply_header_size"]
 
-HEADER = 4  # a request's header: kind, optimizer, the group's step, the group
 DIED, HUNG = 1, 2  # how a departed group left, as the replies report it
 # Each request as the timeline names the server's span of handling it.
-_SPAN_NAMES: dict[int | None, str] = {wire.PULL: "serve pull", wire.PUSH: "serve push", wire.SAVE: "serve save",
-                                      wire.DONE: "serve finish"}
+_SPAN_NAMES: dict[int, str] = {links.PULL: "serve pull", links.SAVE: "serve save", links.DONE: "serve finish"}
 
 
 def reply_header_size(num_groups: int) -> int:
@@ -35,9 +36,20 @@ def reply_header_size(num_groups: int) -> int:
 
 @dataclass
 class _Gradient:
-    flats: list[torch.Tensor]
-    present: torch.Tensor  # uint8 per parameter: 0 where no replica of the group had a gradient
+    """One group's pushed gradient for one optimizer's shard, where its frame landed (the group's own buffers)."""
+
     lrs: torch.Tensor
+    present: torch.Tensor  # uint8 per parameter: 0 where no replica of the group had a gradient
+    views: list[torch.Tensor]  # shaped as the shard's parameters, views of one flat buffer per dtype
+
+    @classmethod
+    def buffers(cls, shard: Shard, optimizer: torch.optim.Optimizer) -> _Gradient:
+        return cls(torch.empty(len(optimizer.param_groups), dtype=torch.float64),
+                   torch.empty(len(shard.params), dtype=torch.uint8), shard.unpack(shard.empty()))
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.lrs, self.present, *self.views]
 
 
 @dataclass
@@ -49,28 +61,31 @@ class _Book:
     version: int = 0
     pulled: dict[int, int] = field(default_factory=dict)
     pending: dict[int, _Gradient] = field(default_factory=dict)
+    landing: dict[int, _Gradient] = field(default_factory=dict)  # each group's push lands in its own buffers
 
 
 class ParameterServer:
     """Serves its shard of every wrapped optimizer until every sync group has finished or left."""
 
-    def __init__(self, mesh: Mesh, everyone: dist.ProcessGroup, servers: dist.ProcessGroup | None,
-                 shards: ShardMap, max_staleness: int | None, timeout_s: float,
-                 on_save: Callable[[dict[int, bytes]], object]) -> None:
-        self.mesh, self.everyone, self.servers_group = mesh, everyone, servers
+    def __init__(self, mesh: Mesh, servers: dist.ProcessGroup | None, shards: ShardMap, max_staleness: int | None,
+                 timeout_s: float, on_save: Callable[[dict[int, bytes]], object], plan: links.Links) -> None:
+        self.mesh, self.servers_group = mesh, servers
         self.index = mesh.rank - mesh.num_workers
         self.groups = mesh.group_partition
+        self.group_of = {ranks[0]: group for group, ranks in enumerate(self.groups)}  # a leader's rank: its group
         self.shards = shards
         self.bound = max_staleness
         self.timeout_s = timeout_s
         self.books = [_Book(shards.shard(k, self.index), optimizer) for k, optimizer in enumerate(shards.optimizers)]
-        self.tickets = wire.Tickets(self.index)
+        for book in self.books:
+            book.shard.bind()  # the parameters become views of the flat buffers a reply is sent from
         self.record = StalenessRecord(max_staleness)
         self.departed: dict[int, dict[str, Any]] = {}
         self.applied = [0] * len(self.groups)  # gradients applied, per group
-        self._sending: dict[int, list[Any]] = {}
         self.on_save = on_save  # writes a checkpoint from the workers' states, by rank (every server calls it)
         self.saving: set[int] = set()  # groups waiting at a checkpoint's cut
+        self.leaders: dict[int, Peer] = {}  # each group's connection, once it has sent a frame
+        self.inbox = plan.serve(self.index, self._place)
 
     # -- the loop ----------------------------------------------------------------------------
     def serve(self, until_saved: bool = False) -> dict[str, Any]:
@@ -87,23 +102,20 @@ class ParameterServer:
             book.pulled = dict.fromkeys(self.active, book.version)
         self.last_heard = dict.fromkeys(groups, started)
         self.last_step = dict.fromkeys(groups, 0)
-        self.heartbeats = wire.HeartbeatWatch(groups, self.timeout_s)
-        idle_since, checked = started, started
         while self.active:
-            group = self.tickets.take()
-            now = time.monotonic()
-            if group is None:
-                if now - checked > wire.Heartbeat.PERIOD_S:
-                    checked = now
-                    self._check_liveness(now)
-                wire.idle_sleep(idle_since)
+            try:  # no sleep, no poll: the kernel wakes this loop for a frame, a departure or the next deadline
+                event = self.inbox.receive(self._until_next_deadline())
+            except PeerLinkError as error:
+                self._left(error)
+                event = None
+            if event is None:
+                self._check_liveness(time.monotonic())
             else:
-                idle_since = now
                 began = timeline.clock()
-                kind = self._handle(group)
+                kind, group = self._handle(*event)
                 self._advance()
-                if (recording := timeline.active()) is not None:
-                    recording.add(_SPAN_NAMES.get(kind, "serve request"), "server", began, timeline.clock(),
+                if (recording := timeline.active()) is not None and group is not None:
+                    recording.add(_SPAN_NAMES.get(kind, "serve push"), "server", began, timeline.clock(),
                                   args={"group": group})
             if self.saving and self.active <= self.saving:  # every group still in the run is at the cut
                 with timeline.span("checkpoint save", "checkpoint"):
@@ -112,52 +124,56 @@ class ParameterServer:
                     return {}
         for group in sorted(self.finished):
             self._reply(group, -1, range(len(self.books)))
-        self._drain()
         with timeline.span("share final parameters", "server"):
             self._share_final_parameters()
         return {"role": "server", "server": self.index, "versions": [book.version for book in self.books],
                 "applied_per_group": list(self.applied), "departed": dict(self.departed),
                 "seconds": time.monotonic() - started, **self.record.summary()}
 
-    def _handle(self, group: int) -> int | None:
-        """Receive and take in one request of `group`; its kind (None: the group failed mid-request)."""
-        leader = self.groups[group][0]
-        header = torch.empty(HEADER, dtype=torch.int64)
-        try:
-            dist.recv(header, src=leader, group=self.everyone, tag=wire.TAG_REQUEST)
-            kind, optimizer, step = (int(v) for v in header[:3])
-            self.last_heard[group], self.last_step[group] = time.monotonic(), step
-            gradient = self._receive_gradient(leader, optimizer) if kind == wire.PUSH else None
-        except RuntimeError as error:
-            self._depart(group, DIED, f"its leader (rank {leader}) failed mid-request: {error}")
+    def _until_next_deadline(self) -> float | None:
+        """Seconds until the first group that nobody waits on has been silent for the timeout (None: no such group)."""
+        silent = [self.last_heard[g] for g in self.active if not self._waited_on(g)]
+        return None if not silent else max(0.0, min(silent) + self.timeout_s - time.monotonic())
+
+    def _place(self, peer: Peer, kind: int, specs: Sequence[TensorSpec]) -> list[torch.Tensor] | None:
+        """Where a frame's tensors land: a push's, in its group's buffers for that optimizer (made once)."""
+        group, optimizer = self.group_of.get(peer.rank), kind - links.PUSH
+        if group is None or not 0 <= optimizer < len(self.books):
             return None
+        book = self.books[optimizer]
+        if group not in book.landing:
+            book.landing[group] = _Gradient.buffers(book.shard, book.optimizer)
+        return book.landing[group].tensors
+
+    def _handle(self, peer: Peer, frame: Frame) -> tuple[int, int | None]:
+        """Take in one request; its kind and group (None: not from a group's leader, ignored)."""
+        kind, group = frame.kind, self.group_of.get(peer.rank)
+        if group is None:
+            print(f"replicator: parameter server {self.index}: ignored a frame from {peer}, not a sync group's "
+                  "leader", file=sys.stderr, flush=True)
+            return kind, None
+        self.leaders[group] = peer
+        self.last_heard[group], self.last_step[group] = time.monotonic(), frame.request
+        optimizer = kind - links.PUSH if kind >= links.PUSH else None
         if group in self.departed:  # declared hung, yet here: tell it, so it stops with a clear error
-            self._reply(group, -1, [], status=wire.FAILED)
-            return kind
-        if kind == wire.PULL:
+            self._reply(group, -1, [optimizer] if optimizer is not None else range(len(self.books)),
+                        status=links.FAILED)
+            return kind, group
+        if kind == links.PULL:
             self._reply(group, -1, range(len(self.books)))
             for book in self.books:
                 book.pulled[group] = book.version
-        elif kind == wire.PUSH:
-            assert gradient is not None
-            self.books[optimizer].pending[group] = gradient
-        elif kind == wire.SAVE:
+        elif optimizer is not None:
+            book = self.books[optimizer]
+            book.pending[group] = book.landing[group]  # the frame's tensors: they landed there
+        elif kind == links.SAVE:
             self.saving.add(group)
-        elif kind == wire.DONE:
+        elif kind == links.DONE:
             self.active.discard(group)
             self.finished.add(group)
             for book in self.books:
                 book.pulled.pop(group, None)
-        return kind
-
-    def _receive_gradient(self, leader: int, optimizer: int) -> _Gradient:
-        book = self.books[optimizer]
-        lrs = torch.empty(len(book.optimizer.param_groups), dtype=torch.float64)
-        present = torch.empty(len(book.shard.params), dtype=torch.uint8)
-        flats = book.shard.empty()
-        for tensor in (lrs, present, *flats):
-            dist.recv(tensor, src=leader, group=self.everyone, tag=wire.TAG_REQUEST)
-        return _Gradient(flats, present, lrs)
+        return kind, group
 
     # -- updates -----------------------------------------------------------------------------
     def _advance(self) -> None:
@@ -181,15 +197,22 @@ class ParameterServer:
         waiting = sorted(book.pending)
         gradients = [book.pending.pop(g) for g in waiting]
         with torch.no_grad():
-            totals = [torch.zeros_like(view) for view in book.shard.unpack(gradients[0].flats)]
-            present = torch.zeros(len(book.shard.params), dtype=torch.bool)
-            for gradient in gradients:
-                present |= gradient.present.bool()
-                for total, view in zip(totals, book.shard.unpack(gradient.flats), strict=True):
-                    total += view
-            for param, total, has in zip(book.shard.params, totals, present.tolist(), strict=True):
-                param.grad = (total / len(gradients)).to(param.device, param.dtype) if has else None
-            for param_group, lr in zip(book.optimizer.param_groups, gradients[0].lrs.tolist(), strict=True):
+            # The gradients as they landed: one is applied from its own buffers; several are summed into the
+            # first's, in group order, and averaged (the same sums as from zeros: 0 + g is g, bit for bit).
+            first = gradients[0]
+            present = first.present
+            if len(gradients) > 1:
+                present = present.bool()
+                for gradient in gradients[1:]:
+                    present |= gradient.present.bool()
+                    for total, view in zip(first.views, gradient.views, strict=True):
+                        total += view
+                for total in first.views:
+                    total /= len(gradients)
+            for param, total, has in zip(book.shard.params, first.views, present.tolist(), strict=True):
+                # On the host, the landed gradient itself: no copy.
+                param.grad = (total if total.device == param.device else total.to(param.device)) if has else None
+            for param_group, lr in zip(book.optimizer.param_groups, first.lrs.tolist(), strict=True):
                 param_group["lr"] = lr  # the workers' schedulers set the rate, as in synchronous mode
             type(book.optimizer).step(book.optimizer)  # the user's optimizer itself, past the wrapper
             for param in book.shard.params:
@@ -211,15 +234,14 @@ class ParameterServer:
         waiting = sorted(self.saving)
         ranks = [rank for group in waiting for rank in self.groups[group]]
         try:
-            self.on_save(wire.SavedStates.take(ranks))
+            self.on_save(links.SavedStates.take(ranks))
         except Exception as error:
-            wire.SavedStates.fail(f"parameter server {self.index} (rank {self.mesh.rank}): {error}")
+            links.SavedStates.fail(f"parameter server {self.index} (rank {self.mesh.rank}): {error}")
             for group in waiting:
-                self._reply(group, -1, [], status=wire.SAVE_FAILED)
-            self._drain()
+                self._reply(group, -1, range(len(self.books)), status=links.SAVE_FAILED)
             raise
         if self.index == 0:  # every server has read them: the save ended with the servers' barrier
-            wire.SavedStates.drop(ranks)
+            links.SavedStates.drop(ranks)
         self.saving.clear()
         for group in waiting:
             self._reply(group, -1, range(len(self.books)))
@@ -227,40 +249,37 @@ class ParameterServer:
                 book.pulled[group] = book.version
 
     # -- replies -----------------------------------------------------------------------------
-    def _reply(self, group: int, staleness: int, optimizers: Any, status: int = wire.OK) -> None:
-        """Send `group` the header and the shards of `optimizers`, without waiting for it to read them."""
-        leader = self.groups[group][0]
+    def _reply(self, group: int, staleness: int, optimizers: Any, status: int = links.OK) -> None:
+        """One frame to `group`'s leader: the status, the staleness, the version and every group's departure, then
+        the flat buffers of `optimizers`' shards (the parameters themselves)."""
+        optimizers = list(optimizers)
         codes = [self.departed[g]["code"] if g in self.departed else 0 for g in range(len(self.groups))]
-        version = self.books[next(iter(optimizers), 0)].version if self.books else 0
+        version = self.books[optimizers[0]].version if optimizers else 0
         header = torch.tensor([status, staleness, version, *codes], dtype=torch.int64)
-        tensors = [header] + [flat for k in optimizers for flat in self.books[k].shard.pack(self.books[k].shard.params)]
+        for k in optimizers:
+            self.books[k].shard.gather()
+        tensors = [header, *(flat for k in optimizers for flat in self.books[k].shard.flats)]
         try:
-            self._wait_sent(group)
-            self._sending[group] = [(dist.isend(t, dst=leader, group=self.everyone, tag=wire.TAG_REPLY), t)
-                                    for t in tensors]
-        except RuntimeError as error:
-            self._depart(group, DIED, f"its leader (rank {leader}) could not be reached: {error}")
-
-    def _wait_sent(self, group: int) -> None:
-        for work, _ in self._sending.pop(group, []):
-            work.wait()
-
-    def _drain(self) -> None:
-        for group in list(self._sending):
-            try:
-                self._wait_sent(group)
-            except RuntimeError as error:
-                self._depart(group, DIED, f"it left before reading the final parameters: {error}")
+            self.inbox.send(self.leaders[group], links.REPLY, tensors, flags=status)
+        except PeerLinkError as error:
+            self._depart(group, DIED, f"its leader (rank {self.groups[group][0]}) could not be reached: {error}")
 
     # -- groups that leave -------------------------------------------------------------------
+    def _waited_on(self, group: int) -> bool:
+        """Is `group` waiting on this server (its reply held back), so that its silence says nothing?"""
+        return group in self.saving or any(group in book.pending for book in self.books)
+
+    def _left(self, error: PeerLinkError) -> None:
+        """A group's leader closed its link (it died: its end of file, at once) or broke the protocol."""
+        group = self.group_of.get(error.peer.rank) if error.peer is not None else None
+        if group is None or group not in self.active | self.finished:
+            return
+        self._depart(group, DIED, f"its leader (rank {self.groups[group][0]}) left: {error}")
+        self._advance()
+
     def _check_liveness(self, now: float) -> None:
         for group in sorted(self.active):
-            stopped = self.heartbeats.stopped_for(group, now)
-            if stopped is not None:
-                self._depart(group, DIED, f"its heartbeat stopped {stopped:.0f} s ago")
-                continue
-            waited_on = group in self.saving or any(group in book.pending for book in self.books)
-            if not waited_on and now - self.last_heard[group] > self.timeout_s:
+            if not self._waited_on(group) and now - self.last_heard[group] >= self.timeout_s:
                 self._depart(group, HUNG, f"it sent nothing for {now - self.last_heard[group]:.0f} s "
                                           f"(REPLICATOR_TIMEOUT={self.timeout_s:g})")
         self._advance()
@@ -274,12 +293,11 @@ class ParameterServer:
         self.active.discard(group)
         self.finished.discard(group)
         self.saving.discard(group)
-        self._sending.pop(group, None)
         for book in self.books:
             book.pending.pop(group, None)
             book.pulled.pop(group, None)
         if code == HUNG:
-            wire.Dropped.note(group, why)
+            links.Dropped.note(group, why)
         left = sorted(self.active | self.finished)
         print(f"replicator: parameter server {self.index}: sync group {group} (ranks {self.groups[group]}) "
               f"{'died' if code == DIED else 'hung'} after its step {self.last_step[group]}, {seconds:.1f} s into "
@@ -293,3 +311,6 @@ class ParameterServer:
         for k in range(len(self.books)):
             for server, rank in enumerate(self.mesh.server_ranks):
                 broadcast_from_first(self.shards.shard(k, server).params, self.servers_group, rank)
+
+    def close(self) -> None:
+        self.inbox.close()

@@ -1,4 +1,4 @@
-"""Internal: which server holds which parameters (balanced by size), and a shard packed into flat buffers."""
+"""Internal: which server holds which parameters (balanced by size), and a shard's persistent flat buffers."""
 
 from __future__ import annotations
 
@@ -26,26 +26,50 @@ def assign_shards(sizes: Sequence[int], servers: int) -> list[list[int]]:
 
 
 class Shard:
-    """Some parameters, packed into one flat buffer per dtype for a message (and unpacked from one)."""
+    """Some parameters and, once bound, one persistent flat host buffer per dtype that holds their values.
+
+    Bound, a CPU parameter is a view of its flat buffer: a message's bytes land in the
+    parameters themselves, and a reply is sent from them, without a copy. A parameter on an
+    accelerator keeps its own memory; `gather` and `settle` copy it to and from the buffer.
+    """
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.params = list(params)
         self.dtypes = sorted({p.dtype for p in self.params}, key=str)
         self.numel = sum(p.numel() for p in self.params)
+        self.flats: list[torch.Tensor] = []
+        self._apart: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its view) where they are not one
 
     def empty(self) -> list[torch.Tensor]:
-        """Receiving buffers, one per dtype, in host memory (the wire is Gloo)."""
+        """Buffers, one per dtype, in host memory (what the peer link carries)."""
         return [torch.empty(sum(p.numel() for p in self.params if p.dtype == dtype), dtype=dtype)
                 for dtype in self.dtypes]
 
-    def pack(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-        """`tensors` (one per parameter, None as zeros) as one flat host buffer per dtype."""
-        flats = []
-        for dtype in self.dtypes:
-            parts = [(t if t is not None else torch.zeros_like(p)).detach().reshape(-1).to("cpu", dtype)
-                     for p, t in zip(self.params, tensors, strict=True) if p.dtype == dtype]
-            flats.append(torch.cat(parts) if parts else torch.empty(0, dtype=dtype))
-        return flats
+    def bind(self) -> list[torch.Tensor]:
+        """The flat buffers, made once from the parameters' current values; CPU parameters become views of them."""
+        if self.flats or not self.params:
+            return self.flats
+        self.flats = self.empty()
+        with torch.no_grad():
+            for param, view in zip(self.params, self.unpack(self.flats), strict=True):
+                view.copy_(param)
+                if param.device.type == "cpu":
+                    param.data = view  # the same Parameter (optimizer state and hooks stay): its storage moves
+                else:
+                    self._apart.append((param, view))
+        return self.flats
+
+    def gather(self) -> None:
+        """Parameters that are not views of the buffers (on an accelerator) into them, before a send."""
+        with torch.no_grad():
+            for param, view in self._apart:
+                view.copy_(param)
+
+    def settle(self) -> None:
+        """The buffers into the parameters that are not views of them, after a receive."""
+        with torch.no_grad():
+            for param, view in self._apart:
+                param.copy_(view)
 
     def unpack(self, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Views of `flats` shaped as the parameters, in parameter order."""
@@ -57,12 +81,6 @@ class Shard:
             views.append(by_dtype[p.dtype][start:start + p.numel()].view_as(p))
             offsets[p.dtype] = start + p.numel()
         return views
-
-    def load(self, flats: Sequence[torch.Tensor]) -> None:
-        """Copy values packed in `flats` into the parameters."""
-        with torch.no_grad():
-            for param, value in zip(self.params, self.unpack(flats), strict=True):
-                param.copy_(value)
 
 
 class ShardMap:
@@ -81,7 +99,6 @@ class ShardMap:
             server_of.update(dict.fromkeys(indices, server))
         self.shards = [[Shard([p for i, (k, p) in enumerate(owned) if k == optimizer and server_of[i] == server])
                         for server in range(servers)] for optimizer in range(len(self.optimizers))]
-        self.whole = [Shard([p for k, p in owned if k == optimizer]) for optimizer in range(len(self.optimizers))]
 
     def shard(self, optimizer: int, server: int) -> Shard:
         return self.shards[optimizer][server]

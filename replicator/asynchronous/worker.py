@@ -5,26 +5,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from replicator.asynchronous import wire
-from replicator.asynchronous.server import DIED, HEADER, reply_header_size
+from replicator.asynchronous import server_links as links
+from replicator.asynchronous.server import DIED, reply_header_size
 from replicator.asynchronous.shards import ShardMap
 from replicator.asynchronous.staleness import StalenessRecord
 from replicator.checkpoint.errors import CheckpointError
+from replicator.comm.peer_link import PeerLinkError
 from replicator.errors import ReplicatorError
-from replicator.identity import broadcast_from_first
 from replicator.timeline import recorder as timeline
 from replicator.topology import Mesh
 
 __all__ = ["GroupExchange", "ServerError"]
 
 # Each request as the timeline names its span.
-_SPAN_NAMES = {wire.PULL: "pull", wire.PUSH: "push", wire.SAVE: "save at cut", wire.DONE: "finish"}
+_SPAN_NAMES = {links.PULL: "pull", links.PUSH: "push", links.SAVE: "save at cut", links.DONE: "finish"}
 
 
 class ServerError(ReplicatorError):
@@ -32,170 +30,203 @@ class ServerError(ReplicatorError):
 
 
 class GroupExchange:
-    """Push and pull for one sync group; every member calls the same methods at the same points."""
+    """Push and pull for one sync group; every member calls the same methods at the same points.
 
-    def __init__(self, mesh: Mesh, everyone: dist.ProcessGroup, group: dist.ProcessGroup | None,
-                 shards: ShardMap, max_staleness: int | None, timeout_s: float) -> None:
-        self.mesh, self.everyone, self.group, self.timeout_s = mesh, everyone, group, timeout_s
+    The trained parameters are views of one flat buffer per optimizer, server and dtype (see
+    `Shard.bind`): a server's reply lands in them, and the leader passes them to its members."""
+
+    def __init__(self, mesh: Mesh, group: dist.ProcessGroup | None, shards: ShardMap, max_staleness: int | None,
+                 timeout_s: float, plan: links.Links) -> None:
+        self.mesh, self.group, self.timeout_s = mesh, group, timeout_s
         self.group_id = mesh.group_id
         self.leader = mesh.group_partition[self.group_id][0]
         self.is_leader = mesh.rank == self.leader
         self.shards = shards
         self.num_servers = mesh.servers
-        self.tickets = [wire.Tickets(server) for server in range(self.num_servers)]
+        for row in shards.shards:
+            for shard in row:
+                shard.bind()
         self.record = StalenessRecord(max_staleness)
         self.departed: dict[int, str] = {}  # other groups the servers reported gone, and how
         self.step = 0
         self.on_wait: Callable[[float], None] = lambda seconds: None  # told each exchange's seconds (step times)
+        self._header = torch.empty(reply_header_size(len(mesh.group_partition)), dtype=torch.int64)
+        self._flat_lists: dict[tuple[tuple[int, ...], int | None], list[torch.Tensor]] = {}
+        self._replies: dict[tuple[tuple[int, ...], int], list[torch.Tensor]] = {}  # what each reply lands in
+        self._pushed: dict[tuple[int, int], tuple[list[float], torch.Tensor, list[bool], torch.Tensor]] = {}
+        if self.is_leader:
+            self.servers = [plan.to_server(server) for server in range(self.num_servers)]
+            self.members = plan.to_members()
+            self.transport = self.servers[0].transport
+        else:
+            self.servers, self.members = [], []
+            self.to_leader = plan.to_leader()
+            self.transport = self.to_leader.transport
 
     # -- the three requests ----------------------------------------------------------------------
     def pull(self) -> None:
         """The servers' current parameters, into every optimizer's parameters (the start of a run)."""
-        self._exchange(wire.PULL, None, range(len(self.shards.optimizers)))
+        self._exchange(links.PULL, None, range(len(self.shards.optimizers)))
 
     def push(self, index: int, optimizer: torch.optim.Optimizer) -> None:
         """Send the group's averaged gradients of optimizer `index`; take the parameters that come back."""
         self.record.updates += 1
         self.step = self.record.updates
-        self._exchange(wire.PUSH, index, [index])
+        self._exchange(links.PUSH, index, [index])
 
     def save(self, state: bytes) -> None:
         """Hand this process's `state` to the servers and wait at the checkpoint's cut until they have written it;
         then take the parameters they hold."""
-        wire.SavedStates.put(self.mesh.rank, state)
+        links.SavedStates.put(self.mesh.rank, state)
         if self.group is not None and self.mesh.group_size > 1:
             dist.barrier(group=self.group)  # every member's state is in the store before the leader asks
-        self._exchange(wire.SAVE, None, range(len(self.shards.optimizers)))
+        self._exchange(links.SAVE, None, range(len(self.shards.optimizers)))
 
     def finish(self) -> None:
         """Say this group is done; wait for every group to be, and take the final parameters."""
-        self._exchange(wire.DONE, None, range(len(self.shards.optimizers)))
+        self._exchange(links.DONE, None, range(len(self.shards.optimizers)))
+
+    def close(self) -> None:
+        for link in [*self.servers, *self.members, *([self.to_leader] if not self.is_leader else [])]:
+            link.close()
 
     # -- how -------------------------------------------------------------------------------------
     def _exchange(self, kind: int, index: int | None, optimizers: Iterable[int]) -> None:
         with timeline.span(_SPAN_NAMES[kind], "async", step=self.step, group=self.group_id):
             self._exchange_with_servers(kind, index, list(optimizers))
 
+    def _flats(self, optimizers: list[int], server: int | None = None) -> list[torch.Tensor]:
+        """The flat buffers of `optimizers`' shards on `server` (None: on every server), in the order frames carry
+        (the same list object each time: the buffers never move)."""
+        key = (tuple(optimizers), server)
+        if (flats := self._flat_lists.get(key)) is None:
+            servers = range(self.num_servers) if server is None else [server]
+            flats = self._flat_lists[key] = [flat for k in optimizers for s in servers
+                                             for flat in self.shards.shard(k, s).flats]
+        return flats
+
     def _exchange_with_servers(self, kind: int, index: int | None, optimizers: list[int]) -> None:
         started = time.perf_counter()
-        # The leader's verdict travels to the group first (point to point: see _share_verdict): on a
-        # server's failure every member raises the same error instead of waiting for parameters that
-        # will never come.
-        verdict = torch.full((2 + self.num_servers,), -1, dtype=torch.int64)
-        message = ""
+        # The verdict: status, the failing server, the staleness each server measured. The leader's travels to
+        # its members first, so that on a server's failure every member raises the same error instead of waiting
+        # for parameters that will never come.
+        verdict = [-1] * (2 + self.num_servers)
         if self.is_leader:
             message = self._leader_exchange(kind, index, optimizers, verdict)
-        if self.group is not None and self.mesh.group_size > 1:
-            self._share_verdict(verdict)
-        if int(verdict[0]) == wire.SAVE_FAILED:
+            self._tell_members(verdict, message, optimizers)
+        else:
+            message = self._hear_leader(verdict, optimizers)
+        if verdict[0] == links.SAVE_FAILED:
             raise CheckpointError(f"the parameter servers could not write the checkpoint (raised on rank "
-                                  f"{self.mesh.rank}, sync group {self.group_id}): {wire.SavedStates.error()}")
-        if int(verdict[0]) != wire.OK:
-            server = int(verdict[1])
+                                  f"{self.mesh.rank}, sync group {self.group_id}): {links.SavedStates.error()}")
+        if verdict[0] != links.OK:
+            server = verdict[1]
             raise ServerError(message or (
                 f"parameter server {server} (rank {self.mesh.server_ranks[server]}) failed or dropped sync group "
                 f"{self.group_id}; see the error of its leader (rank {self.leader})"))
-        for k in optimizers:  # the leader's new parameters to the rest of its group
-            broadcast_from_first(self.shards.whole[k].params, self.group, self.leader)
-        if kind == wire.PUSH:
-            self.record.values.extend(int(v) for v in verdict[2:])
+        for k in optimizers:  # parameters on an accelerator: from the buffers the bytes landed in
+            for server in range(self.num_servers):
+                self.shards.shard(k, server).settle()
+        if kind == links.PUSH:
+            self.record.values.extend(verdict[2:])
         waited = time.perf_counter() - started
         self.record.wait_seconds += waited
         self.on_wait(waited)
 
-    def _share_verdict(self, verdict: torch.Tensor) -> None:
-        """The leader's verdict to the rest of its group.
-
-        Not a broadcast: a collective gives up after REPLICATOR_TIMEOUT, and the leader itself may
-        wait that long on a server (for a slow group under a staleness bound, at a checkpoint's cut,
-        or on a server that hangs) before it knows the verdict. A member waits twice as long, so it
-        hears the leader's verdict, a ServerError naming the server, rather than a timeout of its own.
-        """
-        assert self.group is not None
-        if self.is_leader:
-            for member in self.mesh.group_partition[self.group_id][1:]:
-                dist.send(verdict, dst=member, group=self.group, tag=wire.TAG_VERDICT)
+    def _tell_members(self, verdict: list[int], message: str, optimizers: list[int]) -> None:
+        """The verdict (and why, on a failure) to each member, then the parameters it received."""
+        if not self.members:
             return
+        why = [torch.frombuffer(bytearray(message.encode("utf-8")), dtype=torch.uint8)] if message else []
+        numbers = torch.tensor(verdict, dtype=torch.int64)
+        for link in self.members:
+            try:
+                link.send(links.VERDICT, [numbers, *why])
+                if verdict[0] == links.OK:
+                    link.send(links.PARAMETERS, self._flats(optimizers))
+            except PeerLinkError as error:
+                if verdict[0] == links.OK:  # else the leader's own error, which follows, says more
+                    raise ReplicatorError(f"the leader of sync group {self.group_id} (rank {self.leader}) could not "
+                                          f"pass the parameters on to {link.peer}: {error}") from error
+
+    def _hear_leader(self, verdict: list[int], optimizers: list[int]) -> str:
+        """A member's side: the leader's verdict and, when all went well, the parameters, landing in place."""
         try:
-            work = dist.irecv(verdict, src=self.leader, group=self.group, tag=wire.TAG_VERDICT)
-            assert work is not None  # this process is in the group
-            work.wait(timedelta(seconds=2 * self.timeout_s))
-        except RuntimeError as error:
+            frame = self.to_leader.receive()
+            if frame.kind != links.VERDICT or not frame.tensors or frame.tensors[0].shape != (len(verdict),):
+                raise PeerLinkError(f"{self.to_leader.peer} sent a frame of kind {frame.kind}, not a verdict")
+            verdict[:] = frame.tensors[0].tolist()
+            message = bytes(frame.tensors[1].numpy()).decode("utf-8", "replace") if len(frame.tensors) > 1 else ""
+            if verdict[0] == links.OK:
+                self.to_leader.receive(into=self._flats(optimizers))
+        except PeerLinkError as error:
             raise ServerError(
                 f"the leader of sync group {self.group_id} (rank {self.leader}) did not say how its exchange with the "
-                f"parameter servers went within 2 x REPLICATOR_TIMEOUT ({2 * self.timeout_s:g} s; raised on rank "
-                f"{self.mesh.rank}): see the leader's own error or exit status ({error})") from error
+                f"parameter servers went (raised on rank {self.mesh.rank}): {error}. See the leader's own error or "
+                "exit status") from error
+        return message
 
-    def _leader_exchange(self, kind: int, index: int | None, optimizers: list[int], verdict: torch.Tensor) -> str:
+    def _leader_exchange(self, kind: int, index: int | None, optimizers: list[int], verdict: list[int]) -> str:
         """Request from every server, then read every answer; returns an error message, or ""."""
-        sent: list[tuple[Any, torch.Tensor]] = []
-        failure = self._send_requests(kind, index, verdict, sent)
+        failure = self._send_requests(kind, index, verdict)
         if failure:
             return failure
         with timeline.span("wait on servers", "async"):
-            return self._read_answers(optimizers, verdict, sent)
+            return self._read_answers(optimizers, verdict)
 
-    def _send_requests(self, kind: int, index: int | None, verdict: torch.Tensor,
-                       sent: list[tuple[Any, torch.Tensor]]) -> str:
-        """Post a request (and for a push, the gradient) to every server; an error message, or ""."""
-        for server, tickets in enumerate(self.tickets):
-            try:
-                tickets.post(self.group_id)
-            except RuntimeError as error:  # the store left with its host: the job is ending around us
-                return self._failed(verdict, server, "could not be reached through the job's store", error)
-            header = torch.tensor([kind, -1 if index is None else index, self.step, self.group_id], dtype=torch.int64)
-            assert header.numel() == HEADER
-            tensors = [header]
-            if kind == wire.PUSH:
+    def _send_requests(self, kind: int, index: int | None, verdict: list[int]) -> str:
+        """One frame to every server (for a push, with the gradient of its shard); an error message, or ""."""
+        for server, link in enumerate(self.servers):
+            tensors: list[torch.Tensor] = []
+            if kind == links.PUSH:
                 assert index is not None
-                tensors += self._gradient(index, server)
-            dst = self.mesh.server_ranks[server]
+                tensors = self._gradient(index, server)
             try:
-                sent += [(dist.isend(t, dst=dst, group=self.everyone, tag=wire.TAG_REQUEST), t) for t in tensors]
-            except RuntimeError as error:
+                link.send(links.push_kind(index) if index is not None else kind, tensors, request=self.step)
+            except PeerLinkError as error:
                 return self._failed(verdict, server, "could not be reached", error)
         return ""
 
-    def _read_answers(self, optimizers: list[int], verdict: torch.Tensor, sent: list[tuple[Any, torch.Tensor]]) -> str:
-        """Every server's answer, its parameters into place; an error message, or ""."""
-        verdict[0] = wire.OK
-        header = torch.empty(reply_header_size(len(self.mesh.group_partition)), dtype=torch.int64)
-        for server in range(self.num_servers):
-            src = self.mesh.server_ranks[server]
+    def _read_answers(self, optimizers: list[int], verdict: list[int]) -> str:
+        """Every server's answer, its parameters landing in place; an error message, or ""."""
+        verdict[0] = links.OK
+        header = self._header
+        for server, link in enumerate(self.servers):
+            key = (tuple(optimizers), server)
+            if (into := self._replies.get(key)) is None:
+                into = self._replies[key] = [header, *self._flats(optimizers, server)]
             try:
-                dist.recv(header, src=src, group=self.everyone, tag=wire.TAG_REPLY)
-                if int(header[0]) == wire.SAVE_FAILED:
-                    verdict[0] = wire.SAVE_FAILED
-                    return ""
-                if int(header[0]) != wire.OK:
-                    return self._dropped(verdict, server, wire.Dropped.read(self.group_id) or "")
-                verdict[2 + server] = header[1]
-                self._note_departures(header[3:])
-                for k in optimizers:
-                    shard = self.shards.shard(k, server)
-                    flats = shard.empty()
-                    for flat in flats:
-                        dist.recv(flat, src=src, group=self.everyone, tag=wire.TAG_REPLY)
-                    shard.load(flats)
-            except RuntimeError as error:
+                link.receive(into=into)
+            except (PeerLinkError, ValueError) as error:  # ValueError: a reply that does not fit: out of step
                 return self._failed(verdict, server, "stopped answering", error)
-        try:
-            for work, _ in sent:
-                work.wait()
-        except RuntimeError as error:
-            return self._failed(verdict, 0, "could not be reached", error)
+            status, staleness, _, *codes = header.tolist()
+            if status == links.SAVE_FAILED:
+                verdict[0] = links.SAVE_FAILED
+                return ""
+            if status != links.OK:
+                return self._dropped(verdict, server, links.Dropped.read(self.group_id) or "")
+            verdict[2 + server] = staleness
+            if any(codes):
+                self._note_departures(codes)
         return ""
 
     def _gradient(self, index: int, server: int) -> list[torch.Tensor]:
+        """The frame of a push: learning rates, which parameters have a gradient, and each gradient from its own
+        memory (no packing: the frame's one `sendmsg` gathers them). The first two are tensors kept from push to
+        push, rewritten only when the rates or the gradients present change."""
         shard = self.shards.shard(index, server)
         grads = [p.grad for p in shard.params]
-        present = torch.tensor([g is not None for g in grads], dtype=torch.uint8)
-        lrs = torch.tensor([float(g["lr"]) for g in self.shards.optimizers[index].param_groups], dtype=torch.float64)
-        return [lrs, present, *shard.pack(grads)]
+        rates = [float(g["lr"]) for g in self.shards.optimizers[index].param_groups]
+        presence = [g is not None for g in grads]
+        kept = self._pushed.get((index, server))
+        if kept is None or kept[0] != rates or kept[2] != presence:
+            kept = self._pushed[(index, server)] = (rates, torch.tensor(rates, dtype=torch.float64), presence,
+                                                     torch.tensor(presence, dtype=torch.uint8))
+        return [kept[1], kept[3], *(_on_the_wire(g, p) for g, p in zip(grads, shard.params, strict=True))]
 
-    def _failed(self, verdict: torch.Tensor, server: int, what: str, error: BaseException | None) -> str:
-        verdict[0], verdict[1] = wire.FAILED, server
-        if (why := wire.Dropped.read(self.group_id)) is not None:  # the servers went on without this group
+    def _failed(self, verdict: list[int], server: int, what: str, error: BaseException | None) -> str:
+        verdict[0], verdict[1] = links.FAILED, server
+        if (why := links.Dropped.read(self.group_id)) is not None:  # the servers went on without this group
             return self._dropped(verdict, server, why)
         rank = self.mesh.server_ranks[server]
         cause = f": {error}" if error is not None else ""
@@ -203,15 +234,26 @@ class GroupExchange:
                 f"{self.leader}) was at step {self.step}{cause}. The asynchronous run cannot go on without the "
                 "parameters that server holds; see that server's own error or exit status")
 
-    def _dropped(self, verdict: torch.Tensor, server: int, why: str) -> str:
-        verdict[0], verdict[1] = wire.FAILED, server
+    def _dropped(self, verdict: list[int], server: int, why: str) -> str:
+        verdict[0], verdict[1] = links.FAILED, server
         return (f"parameter server {server} (rank {self.mesh.server_ranks[server]}) dropped sync group "
                 f"{self.group_id} (leader rank {self.leader}) as hung, {self.step - 1} updates into the run: "
                 f"{why or 'it sent nothing for longer than REPLICATOR_TIMEOUT'}, so the servers went on without it. "
                 f"A group that computes longer than REPLICATOR_TIMEOUT ({self.timeout_s:g} s) between optimizer "
                 "steps needs a larger REPLICATOR_TIMEOUT")
 
-    def _note_departures(self, codes: torch.Tensor) -> None:
-        for group, code in enumerate(codes.tolist()):
+    def _note_departures(self, codes: list[int]) -> None:
+        for group, code in enumerate(codes):
             if code and group not in self.departed:
                 self.departed[group] = "died" if code == DIED else "hung"
+
+
+def _on_the_wire(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
+    """A gradient as the server's buffer takes it: a contiguous host tensor of its parameter's dtype (zeros for
+    None); the gradient itself when it is one already."""
+    if grad is None:
+        return torch.zeros(param.shape, dtype=param.dtype)
+    grad = grad.detach()
+    if grad.device.type != "cpu" or grad.dtype != param.dtype or not grad.is_contiguous():
+        grad = grad.to("cpu", param.dtype).contiguous()
+    return grad
