@@ -88,7 +88,7 @@ class ModelScope:
 
     @contextlib.contextmanager
     def block(self, optimized: Callable[[], Iterable[torch.Tensor]],
-              sharded: Callable[[dict[int, torch.nn.Parameter]], None] = lambda successors: None,
+              sharded: Callable[[dict[int, torch.nn.Parameter], list[torch.nn.Module]], None] = lambda *_: None,
               policy: ShardPolicy | None = None) -> Iterator[None]:
         """Watch what is built; at the end move it to the device and copy replica 0's values everywhere.
 
@@ -126,7 +126,7 @@ class ModelScope:
                 if old in self.tensor_names:
                     self.tensor_names[id(new)] = self.tensor_names[old]
             self._plug_collectives(block.roots())
-            sharded(successors)
+            sharded(successors, block.roots())
 
     def _plug_collectives(self, roots: list[torch.nn.Module]) -> None:
         """shard="parameters": the units' all-gathers and reduce-scatters on replicator's collectives, each agreed on

@@ -138,3 +138,12 @@ def _without_docstrings(tree: ast.Module) -> ast.Module:
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node) is not None:
             node.body = node.body[1:] or [ast.Pass()]
     return tree
+
+
+def test_the_asynchronous_modes_send_nothing_point_to_point_by_hand() -> None:
+    """The asynchronous regimes talk over the peer link (comm.peer_link, or its Gloo fallback in comm): no raw
+    torch.distributed send or receive of their own, whose one-sided waits cannot name a dead peer."""
+    raw = re.compile(r"\bdist\.(i?send|i?recv)\(")
+    offenders = [name for name, path in MODULES.items()
+                 if name.startswith("replicator.asynchronous") and raw.search(path.read_text())]
+    assert not offenders, f"raw point-to-point calls in {offenders}"

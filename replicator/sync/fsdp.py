@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from replicator._torch_names import DTensor, fully_shard
+from replicator._torch_names import DTensor, FSDPModule, fully_shard
 from replicator.errors import ReplicatorUsageError
 from replicator.health import all_finite
+from replicator.sync.state import GradientState
 
-__all__ = ["NO_ACCUMULATION", "ShardPolicy", "child_units", "clip_shards_", "is_sharded", "local_gradients",
-           "shard_modules", "shards_finite", "take_sharded"]
+__all__ = ["NO_ACCUMULATION", "GradientSync", "ShardPolicy", "child_units", "clip_shards_", "is_sharded",
+           "local_gradients", "shard_modules", "shards_finite", "take_sharded"]
 
 # Which submodules of a module built in repl.scope() become their own unit: (qualified name, submodule) -> bool.
 ShardPolicy = Callable[[str, torch.nn.Module], bool]
@@ -129,6 +130,42 @@ def clip_shards_(params: Iterable[torch.Tensor], max_norm: float, norm_type: flo
 
 
 NO_ACCUMULATION = (
-    "{} with shard='parameters' is not available yet: FSDP2 reduce-scatters the gradients of every backward pass, so "
-    "an accumulation would sum averages instead of averaging micro-batches. Reach the batch with more replicas or "
-    "a larger per-replica batch, or use shard='gradients' with accumulation")
+    "{} with shard='parameters' and stages > 1 is not available yet: a sharded pipeline stage already gathers its "
+    "units once per step and reduce-scatters them after its last micro-batch. Reach the batch with more "
+    "micro-batches (chunks=) or replicas, or use shard='gradients' with accumulation")
+
+
+class GradientSync:
+    """shard="parameters" with accumulate(n) or no_sync(): FSDP2 reduce-scatters only in the backward pass that ends
+    an update; the others add to the unsharded gradients it keeps (FSDP2's set_requires_gradient_sync), and the
+    update divides the sum by the micro-steps, as the synchronizer does for the other levels.
+
+    Whether the next backward ends an update is asked before every forward pass of a sharded root, and when no_sync()
+    begins and ends (a backward may run inside it, or after a forward that did)."""
+
+    def __init__(self, state: GradientState, wrapped: list[Any], sharding: bool, pipelined: bool) -> None:
+        # wrapped: the SyncedOptimizers' WrappedOptimizers (their update counts), as they are added
+        self.state, self.wrapped, self.sharding, self.pipelined = state, wrapped, sharding, pipelined
+        self.roots: list[FSDPModule] = []
+
+    def refuse_in_pipeline(self, what: str) -> None:
+        if self.sharding and self.pipelined:
+            raise ReplicatorUsageError(NO_ACCUMULATION.format(what))
+
+    def add(self, roots: Iterable[torch.nn.Module]) -> None:
+        for root in roots:
+            if isinstance(root, FSDPModule) and root not in self.roots:
+                self.roots.append(root)
+                root.register_forward_pre_hook(lambda module, inputs: self.update())
+        self.update()
+
+    def update(self) -> None:
+        communicates = not self.state.no_sync_depth and all(self.state.last_micro_step(w.count) for w in self.wrapped)
+        for root in self.roots:
+            root.set_requires_gradient_sync(communicates)
+
+    def average(self, optimizer: torch.optim.Optimizer, micro_steps: int) -> None:
+        """Before an update: the gradients FSDP2 summed over `micro_steps` backward passes, divided by them."""
+        if self.sharding and micro_steps > 1:
+            params = [param for group in optimizer.param_groups for param in group["params"]]
+            torch._foreach_div_(local_gradients(params), float(micro_steps))

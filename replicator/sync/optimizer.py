@@ -18,7 +18,7 @@ from replicator.context import ReplicaContext
 from replicator.errors import NonFiniteError, ReplicatorUsageError
 from replicator.identity import require_same_layout
 from replicator.nn.spectral import spectral_normed
-from replicator.sync.fsdp import NO_ACCUMULATION, clip_shards_, is_sharded, shards_finite, take_sharded
+from replicator.sync.fsdp import GradientSync, clip_shards_, is_sharded, shards_finite, take_sharded
 from replicator.sync.reducers import Reducer
 from replicator.sync.sharding import SHARDED, ShardedOptimizer, check_reducer
 from replicator.sync.sparse import sparse_parameters
@@ -81,6 +81,7 @@ class SyncedOptimizers:
         self.loss_scale: LossScale | None = None
         self._warned_spectral = False  # accumulation with spectral norm is said once
         self._no_sync_checked = False
+        self.gradient_sync = GradientSync(self.state, self.wrapped, self.shards_parameters, stages is not None)
         # Who applies an update instead of the optimizer itself, given the optimizer's index (the
         # asynchronous regime: parameter servers); None: the optimizer's own step().
         self.update: Callable[[int, torch.optim.Optimizer], None] | None = None
@@ -129,8 +130,9 @@ class SyncedOptimizers:
         """shard="parameters" with several replicas: FSDP2 holds the parameters as shards and averages gradients."""
         return self.shard == "parameters" and self.context.num_replicas > 1
 
-    def take_sharded(self, successors: dict[int, torch.nn.Parameter]) -> None:
+    def take_sharded(self, successors: dict[int, torch.nn.Parameter], roots: Iterable[torch.nn.Module] = ()) -> None:
         """shard="parameters", at the end of repl.scope(): the wrapped optimizers step the sharded parameters."""
+        self.gradient_sync.add(roots)  # accumulate() and no_sync() reduce-scatter at an update's last backward only
         for wrapped in self.wrapped:
             if all(is_sharded(p) for group in wrapped.optimizer.param_groups for p in group["params"]):
                 continue  # wrapped in an earlier block
@@ -180,6 +182,7 @@ class SyncedOptimizers:
         def updated(closure: Callable[[], Any] | None) -> Any:
             if closure is None:
                 synchronizer.finalize()
+                self.gradient_sync.average(optimizer, state.micro_steps(count))  # shard="parameters": FSDP2 summed
                 if (self.nonfinite == "skip" or self.loss_scale is not None) and not self._goes_ahead(wrapped):
                     return None
                 if (sharded := self._sharded(wrapped)) is not None:
@@ -355,8 +358,7 @@ class SyncedOptimizers:
         """Make each update take `micro_steps` step_fn calls (see Replicator.accumulate)."""
         if self.mid_accumulation():
             raise ReplicatorUsageError("accumulate() can only change between updates, not in the middle of one")
-        if micro_steps > 1 and self.shards_parameters:
-            raise ReplicatorUsageError(NO_ACCUMULATION.format(f"accumulate({micro_steps})"))
+        self.gradient_sync.refuse_in_pipeline(f"accumulate({micro_steps})") if micro_steps > 1 else None
         self.state.set_accumulation(micro_steps, epoch_end)
         for wrapped in self.wrapped:
             wrapped.count.calls = 0
@@ -379,16 +381,17 @@ class SyncedOptimizers:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside this block accumulate gradients locally, with no traffic."""
-        if self.shards_parameters:
-            raise ReplicatorUsageError(NO_ACCUMULATION.format("no_sync()"))
+        self.gradient_sync.refuse_in_pipeline("no_sync()")
         if not self._no_sync_checked:  # once: a walk over the modules for every micro-batch would cost
             self._no_sync_checked = True
             self._warn_if_spectral_normed("no_sync() accumulation", "once per micro-batch")
         self.state.no_sync_depth += 1
+        self.gradient_sync.update()
         try:
             yield
         finally:
             self.state.no_sync_depth -= 1
+            self.gradient_sync.update()
 
     def restart_counts(self) -> None:
         """Forget micro-steps taken (after restoring a checkpoint, which falls between updates)."""

@@ -235,8 +235,8 @@ def test_shard_parameters_matches_fsdp2_bit_for_bit_and_one_process_within_round
 
 
 def refusals() -> list[str]:
-    """Inside a replica: what an optimizer over the model's parameters from before the sharding, accumulation,
-    no_sync() and broadcast_state() raise, before any update."""
+    """Inside a replica: what an optimizer over the model's parameters from before the sharding and
+    broadcast_state() raise, before any update (accumulation: tests/sync/test_shard_accumulation.py)."""
     found = []
     repl = rp.Replicator(shard="parameters")
     with repl.scope():
@@ -248,12 +248,10 @@ def refusals() -> list[str]:
             repl.wrap_optimizer(torch.optim.SGD(before, lr=0.1))
     except ReplicatorUsageError as error:
         found.append(str(error))
-    for attempt in (lambda: repl.accumulate(2), lambda: repl.no_sync().__enter__(),
-                    lambda: repl.broadcast_state(model)):
-        try:
-            attempt()
-        except ReplicatorUsageError as error:
-            found.append(str(error))
+    try:
+        repl.broadcast_state(model)
+    except ReplicatorUsageError as error:
+        found.append(str(error))
     repl.close()
     repl = rp.Replicator(shard="gradients")
     try:
@@ -267,13 +265,11 @@ def refusals() -> list[str]:
 
 def test_shard_parameters_refuses_what_it_cannot_do_on_every_replica() -> None:
     for found in run_replicas(refusals, REPLICAS, timeout_s=120):
-        assert len(found) == 5, found
+        assert len(found) == 3, found
         assert "not a parameter of a module built in this repl.scope() block" in found[0], found[0]
         assert "built before the model was sharded" in found[0]
-        assert found[1].startswith("accumulate(2) with shard='parameters' is not available yet"), found[1]
-        assert found[2].startswith("no_sync() with shard='parameters' is not available yet"), found[2]
-        assert "cannot copy replica 0's values of a model sharded with shard='parameters'" in found[3], found[3]
-        assert "picks the units that shard='parameters' shards, but this Replicator has shard='gradients'" in found[4]
+        assert "cannot copy replica 0's values of a model sharded with shard='parameters'" in found[1], found[1]
+        assert "picks the units that shard='parameters' shards, but this Replicator has shard='gradients'" in found[2]
 
 
 def save(path: str, shard: str | None) -> dict[str, Any]:
