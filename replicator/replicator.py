@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from replicator import _env
-from replicator.asynchronous.actor_learner import serves_this_run
+from replicator.asynchronous.actor_learner.regime import serves_this_run
 from replicator.asynchronous.modes import ActorLearner, DiLoCo, ParameterServers, mode_name, training_mode
 from replicator.cadence import Cadence, Hooks
 from replicator.context import InputContext, ReplicaContext

@@ -16,11 +16,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from replicator.asynchronous.actor_learner import ActorLearnerRegime
+from replicator.asynchronous.actor_learner.regime import ActorLearnerRegime
+from replicator.asynchronous.actor_learner.roles import Roles
 from replicator.asynchronous.diloco import DiLoCoRegime, OuterLoop, OuterOptimizer, check_diloco_keywords
-from replicator.asynchronous.regime import AsyncRegime, Regime
-from replicator.asynchronous.roles import Roles
-from replicator.asynchronous.settings import AsyncSettings
+from replicator.asynchronous.parameter_server.regime import AsyncRegime
+from replicator.asynchronous.parameter_server.settings import AsyncSettings
+from replicator.asynchronous.regime import Regime
 from replicator.epochs import InputPosition
 from replicator.errors import ReplicatorUsageError
 from replicator.job import Job

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import replicator as rp
-from replicator.asynchronous.nstep import NStepAdder
+from replicator.asynchronous.actor_learner.nstep import NStepAdder
 from replicator.errors import ReplicatorUsageError
 from replicator.testing import ReplicaFailure, run_replicas
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import replicator as rp
-from replicator.asynchronous import exchange
+from replicator.asynchronous.actor_learner import exchange
 from replicator.comm import frames
 from replicator.comm.peer_link import KEY, connect, hello
 from replicator.testing import ReplicaFailure, run_replicas

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from replicator.asynchronous import exchange
+from replicator.asynchronous.actor_learner import exchange
 from replicator.comm.frames import Frame, TensorSpec
 from replicator.comm.peer_link import PeerLinkError, connect
 

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from replicator.asynchronous import server_links as links
-from replicator.asynchronous.shards import Shard, ShardMap
-from replicator.asynchronous.staleness import StalenessRecord
+from replicator.asynchronous.parameter_server import links
+from replicator.asynchronous.parameter_server.shards import Shard, ShardMap
+from replicator.asynchronous.parameter_server.staleness import StalenessRecord
 from replicator.comm.frames import Frame, TensorSpec
 from replicator.comm.peer_link import Peer, PeerLinkError
 from replicator.identity import broadcast_from_first

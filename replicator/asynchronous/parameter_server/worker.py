@@ -9,10 +9,10 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from replicator.asynchronous import server_links as links
-from replicator.asynchronous.server import DIED, reply_header_size
-from replicator.asynchronous.shards import ShardMap
-from replicator.asynchronous.staleness import StalenessRecord
+from replicator.asynchronous.parameter_server import links
+from replicator.asynchronous.parameter_server.server import DIED, reply_header_size
+from replicator.asynchronous.parameter_server.shards import ShardMap
+from replicator.asynchronous.parameter_server.staleness import StalenessRecord
 from replicator.checkpoint.errors import CheckpointError
 from replicator.comm.peer_link import PeerLinkError
 from replicator.errors import ReplicatorError

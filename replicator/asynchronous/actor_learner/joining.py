@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from replicator import _env
-from replicator.asynchronous import exchange
-from replicator.asynchronous.actor import ActorContext, ActorLearnerError
-from replicator.asynchronous.replay import Replay
-from replicator.asynchronous.roles import Roles
-from replicator.asynchronous.variables import VariableSink
+from replicator.asynchronous.actor_learner import exchange
+from replicator.asynchronous.actor_learner.actor import ActorContext, ActorLearnerError
+from replicator.asynchronous.actor_learner.replay import Replay
+from replicator.asynchronous.actor_learner.roles import Roles
+from replicator.asynchronous.actor_learner.variables import VariableSink
 from replicator.comm.peer_link import PeerLinkError
 from replicator.errors import ReplicatorUsageError
 

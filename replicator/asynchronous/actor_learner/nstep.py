@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from replicator.asynchronous.transitions import Transition
+from replicator.asynchronous.actor_learner.transitions import Transition
 
 __all__ = ["NStepAdder"]
 

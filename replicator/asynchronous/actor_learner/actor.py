@@ -9,14 +9,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from replicator.asynchronous import exchange
-from replicator.asynchronous.actor_links import InsertLink, WeightsLink
-from replicator.asynchronous.nstep import NStepAdder
-from replicator.asynchronous.replay import Replay
-from replicator.asynchronous.roles import Roles, shards_fed_by
-from replicator.asynchronous.staging import Columns, chunk_rows
-from replicator.asynchronous.transitions import TransitionSpec, as_tensor
-from replicator.asynchronous.variables import VariableSink
+from replicator.asynchronous.actor_learner import exchange
+from replicator.asynchronous.actor_learner.links import InsertLink, WeightsLink
+from replicator.asynchronous.actor_learner.nstep import NStepAdder
+from replicator.asynchronous.actor_learner.replay import Replay
+from replicator.asynchronous.actor_learner.roles import Roles, shards_fed_by
+from replicator.asynchronous.actor_learner.staging import Columns, chunk_rows
+from replicator.asynchronous.actor_learner.transitions import TransitionSpec, as_tensor
+from replicator.asynchronous.actor_learner.variables import VariableSink
 from replicator.comm.peer_link import PeerLinkError
 from replicator.errors import ReplicatorError, ReplicatorUsageError
 from replicator.timeline import recorder as timeline

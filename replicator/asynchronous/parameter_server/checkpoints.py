@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from replicator import checkpoint
-from replicator.asynchronous.shards import ShardMap
+from replicator.asynchronous.parameter_server.shards import ShardMap
 from replicator.checkpoint.rng import rng_tensors
 from replicator.checkpoint.state import model_state, named_modules, parameter_names
 from replicator.comm import objects

@@ -9,8 +9,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from replicator.asynchronous.rate_limiter import RateLimiter
-from replicator.asynchronous.transitions import TransitionSpec
+from replicator.asynchronous.actor_learner.rate_limiter import RateLimiter
+from replicator.asynchronous.actor_learner.transitions import TransitionSpec
 from replicator.errors import ReplicatorUsageError
 
 __all__ = ["Replay", "ReplaySample", "ReplayShard"]

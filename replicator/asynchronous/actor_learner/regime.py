@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 
 from replicator import checkpoint
-from replicator.asynchronous import exchange, wire
-from replicator.asynchronous.actor import ActorContext, ActorLearnerError
+from replicator.asynchronous.actor_learner import exchange, wire
+from replicator.asynchronous.actor_learner.actor import ActorContext, ActorLearnerError
+from replicator.asynchronous.actor_learner.replay import Replay, ReplaySample
+from replicator.asynchronous.actor_learner.roles import Roles
+from replicator.asynchronous.actor_learner.service import LearnerService
+from replicator.asynchronous.actor_learner.variables import VariableSink, VariableSource
 from replicator.asynchronous.regime import Regime
-from replicator.asynchronous.replay import Replay, ReplaySample
-from replicator.asynchronous.roles import Roles
-from replicator.asynchronous.service import LearnerService
-from replicator.asynchronous.variables import VariableSink, VariableSource
 from replicator.comm.peer_link import PeerLinkError
 from replicator.context import InputContext
 from replicator.epochs import InputPosition

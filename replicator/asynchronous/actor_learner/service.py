@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
-from replicator.asynchronous import exchange, wire
-from replicator.asynchronous.replay import ReplayShard
-from replicator.asynchronous.roles import Roles, shards_fed_by
-from replicator.asynchronous.staging import chunk_rows
-from replicator.asynchronous.transitions import TransitionSpec
-from replicator.asynchronous.variables import VariableSource
+from replicator.asynchronous.actor_learner import exchange, wire
+from replicator.asynchronous.actor_learner.replay import ReplayShard
+from replicator.asynchronous.actor_learner.roles import Roles, shards_fed_by
+from replicator.asynchronous.actor_learner.staging import chunk_rows
+from replicator.asynchronous.actor_learner.transitions import TransitionSpec
+from replicator.asynchronous.actor_learner.variables import VariableSource
 from replicator.comm.frames import Frame
 from replicator.comm.peer_link import Peer, PeerLinkError
 from replicator.comm.peer_server import PeerServer

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from replicator.asynchronous.transitions import TransitionSpec, as_tensor
+from replicator.asynchronous.actor_learner.transitions import TransitionSpec, as_tensor
 
 __all__ = ["Columns", "chunk_rows"]
 

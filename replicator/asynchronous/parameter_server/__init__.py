@@ -1,0 +1,1 @@
+"""Parameter servers and sync groups (rp.ParameterServers): servers, workers, their links, shards and checkpoints."""
