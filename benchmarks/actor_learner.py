@@ -360,7 +360,7 @@ def replay_job(inserts: int, batches: int, capacity: int, limited: bool = False)
     nothing. Limiter off: the learner draws once every insert is in. `limited`: samples_per_insert 1 (min_size
     1,000, tolerance 0.1): learner and actor run together, held to the ratio by the limiter's credits."""
     torch.set_num_threads(1)
-    repl = rp.Replicator(mode="actor_learner", actors=1)
+    repl = rp.Replicator(mode=rp.ActorLearner(actors=1))
     min_size = min(1_000, inserts - 1) if limited else inserts - 1
     replay = rp.Replay(capacity=capacity, batch_size=256, samples_per_insert=1.0 if limited else None,
                        tolerance=0.1, min_size=min_size, n_step=1, seed=0)
@@ -481,7 +481,7 @@ def pulls_job(parameters: int, pulling: bool, steps: int) -> dict[str, Any]:
     transition every millisecond and, when `pulling`, pulls the weights every 10 env steps (in the background). The
     learner's steps per second; the actors' pull latencies (request to reply)."""
     torch.set_num_threads(1)
-    repl = rp.Replicator(mode="actor_learner", actors=2)
+    repl = rp.Replicator(mode=rp.ActorLearner(actors=2))
     replay = rp.Replay(capacity=10_000, batch_size=64, samples_per_insert=None, min_size=64, seed=0)
     with repl.scope():
         model = pulls_model(parameters)

@@ -146,7 +146,7 @@ def update_job(numel: int, updates: int) -> dict[str, Any]:
     The worker first runs the same steps with a local optimizer (no server): the CPU an update costs without the
     exchange, so that what the exchange adds can be told apart."""
     torch.set_num_threads(1)
-    repl = rp.Replicator(mode="async", parameter_servers=1)
+    repl = rp.Replicator(mode=rp.ParameterServers(servers=1))
     with repl.scope():
         model = _Vector(numel)
         optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
@@ -272,7 +272,7 @@ def straggler_arms(config: Config) -> list[Arm]:
 def _replicator(arm: Arm) -> rp.Replicator:
     if arm.mode == "sync":
         return rp.Replicator()
-    return rp.Replicator(mode="async", parameter_servers=1, max_staleness=arm.max_staleness)
+    return rp.Replicator(mode=rp.ParameterServers(servers=1, max_staleness=arm.max_staleness))
 
 
 def _flat(model: torch.nn.Module) -> torch.Tensor:
@@ -444,7 +444,7 @@ def replicator_rate_job(config: Config) -> dict[str, Any]:
     """mode="async" with 1 server and 2 workers; workers stamp each update."""
     torch.set_num_threads(1)
     train_x, train_y, _, _ = digits()
-    repl = rp.Replicator(mode="async", parameter_servers=1)
+    repl = rp.Replicator(mode=rp.ParameterServers(servers=1))
     with repl.scope():
         model = make_model(config.hidden, config.seed)
         optimizer = repl.wrap_optimizer(make_optimizer(model.parameters(), config.lr))
@@ -594,7 +594,7 @@ def diloco_job(config: Config, seed: int, outer_every: int | None) -> dict[str, 
     """One of 2 processes: mode="sync" (outer_every None) or mode="diloco" at H = outer_every, one seed."""
     torch.set_num_threads(1)
     train_x, train_y, test_x, test_y = digits()
-    repl = rp.Replicator() if outer_every is None else rp.Replicator(mode="diloco", outer_every=outer_every)
+    repl = rp.Replicator() if outer_every is None else rp.Replicator(mode=rp.DiLoCo(outer_every=outer_every))
     with repl.scope():
         model = make_model(config.hidden, seed)
         optimizer = repl.wrap_optimizer(torch.optim.Adam(model.parameters(), lr=config.inner_lr))
