@@ -42,7 +42,7 @@ _BUCKET_BYTES = 25 << 20
 def check_diloco_keywords(mode: str, sync_group_size: int, outer_every: int | None,
                           outer_optimizer: OuterOptimizer | None, rank: int) -> None:
     """Refuse DiLoCo's keywords (the deprecated form) given without mode="diloco", alike on every rank."""
-    if mode not in ("sync", "async"):  # the parameter servers' regime checks its own arguments (asynchronous.parameter_server.settings)
+    if mode not in ("sync", "async"):  # the parameter servers check their own (parameter_server.settings)
         return
     given = {"outer_every": outer_every, "outer_optimizer": outer_optimizer}
     if sync_group_size != 1 and mode == "sync":

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from replicator import checkpoint
-from replicator.asynchronous.actor_learner import exchange, wire
+from replicator.asynchronous.actor_learner import exchange, heartbeats
 from replicator.asynchronous.actor_learner.actor import ActorContext, ActorLearnerError
 from replicator.asynchronous.actor_learner.replay import Replay, ReplaySample
 from replicator.asynchronous.actor_learner.roles import Roles
@@ -62,9 +62,9 @@ class ActorLearnerRegime(Regime):
         self.ended: str | None = None  # who asked for that, and why
         self.steps: int | None = None
         self.sample_wait_s = 0.0
-        self._heartbeat: wire.Heartbeat | None = None
+        self._heartbeat: heartbeats.Heartbeat | None = None
         if self.serves:  # from the start, so learners can tell an actor still building its model from a dead one
-            self._heartbeat = wire.Heartbeat(roles.index)
+            self._heartbeat = heartbeats.Heartbeat(roles.index)
             self._heartbeat.start()
         job.close_with(self)
 

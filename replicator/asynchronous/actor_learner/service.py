@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from replicator.asynchronous.actor_learner import exchange, wire
+from replicator.asynchronous.actor_learner import exchange, heartbeats
 from replicator.asynchronous.actor_learner.replay import ReplayShard
 from replicator.asynchronous.actor_learner.roles import Roles, shards_fed_by
 from replicator.asynchronous.actor_learner.staging import chunk_rows
@@ -91,7 +91,7 @@ class LearnerService:
     # -- the main thread's side ------------------------------------------------------------------------
     def start(self) -> None:
         self.started = self.last_insert = time.monotonic()
-        self.heartbeats = wire.HeartbeatWatch(range(self.roles.others), self.timeout_s)
+        self.heartbeats = heartbeats.HeartbeatWatch(range(self.roles.others), self.timeout_s)
         for target, name in ((self._run_inserts, "replicator-learner-inserts"),
                              (self._run_weights, "replicator-learner-weights")):
             thread = threading.Thread(target=target, name=name, daemon=True)
