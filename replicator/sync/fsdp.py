@@ -155,8 +155,10 @@ class GradientSync:
     def add(self, roots: Iterable[torch.nn.Module]) -> None:
         for root in roots:
             if isinstance(root, FSDPModule) and root not in self.roots:
-                self.roots.append(root)
-                root.register_forward_pre_hook(lambda module, inputs: self.update())
+                refuse_direct_forward(root)
+                if not self.pipelined:  # a sharded pipeline stage syncs its units itself (pipeline.sharded)
+                    self.roots.append(root)
+                    root.register_forward_pre_hook(lambda module, inputs: self.update())
         self.update()
 
     def update(self) -> None:
@@ -169,3 +171,29 @@ class GradientSync:
         if self.sharding and micro_steps > 1:
             params = [param for group in optimizer.param_groups for param in group["params"]]
             torch._foreach_div_(local_gradients(params), float(micro_steps))
+
+
+def refuse_direct_forward(root: torch.nn.Module) -> None:
+    """Make `root.forward(...)` called directly (not `root(...)`) raise: it skips the hooks that gather the root's
+    parameters and, after backward, reduce-scatter its gradients, so it would fail inside torch or train wrongly."""
+    inside_call = [0]
+    forward = root.forward
+
+    def enter(module: torch.nn.Module, inputs: Any) -> None:
+        inside_call[0] += 1
+
+    def leave(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        inside_call[0] -= 1
+
+    def checked_forward(*args: Any, **kwargs: Any) -> Any:
+        if not inside_call[0]:
+            name = type(root).__name__.removeprefix("FSDP")  # FSDP2's subclass of the model's class
+            raise ReplicatorUsageError(
+                f"{name}.forward() was called directly on a model sharded with shard='parameters': that skips "
+                "FSDP2's hooks, which gather its parameters before forward and reduce-scatter its gradients after "
+                "backward. Call the module itself: `model(x)`, not `model.forward(x)`")
+        return forward(*args, **kwargs)
+
+    root.register_forward_pre_hook(enter, prepend=True)
+    root.register_forward_hook(leave, always_call=True)
+    root.forward = checked_forward

@@ -113,3 +113,29 @@ def test_sharded_parameters_accumulate_as_plain_fsdp2_and_as_unsharded_training(
             assert found["sharded_grads_per_call"] == [0, parameters] * STEPS, where
         else:
             assert found["sharded_grads_per_call"] == [parameters] * STEPS, where
+
+
+def forward_called_directly() -> str:
+    """Inside a replica: step_fn calls model.forward(x) on a model sharded with shard="parameters"."""
+    repl = rp.Replicator(shard="parameters")
+    with repl.scope():
+        model = make_model()
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=LR))
+
+    def step_fn(ctx: rp.ReplicaContext, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        optimizer.zero_grad()
+        F.mse_loss(model.forward(batch[0]), batch[1]).backward()
+        optimizer.step()
+
+    try:
+        for _ in repl.run(step_fn, [micro_batch(0, 0, repl.replica_id)], record=False):
+            pass
+    except rp.ReplicatorUsageError as error:
+        return str(error)
+    return "no error"
+
+
+def test_calling_forward_directly_on_a_sharded_model_is_refused_on_every_replica() -> None:
+    for found in run_replicas(forward_called_directly, REPLICAS, timeout_s=120):
+        assert "Sequential.forward() was called directly on a model sharded with shard='parameters'" in found, found
+        assert "`model(x)`, not `model.forward(x)`" in found
