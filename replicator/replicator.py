@@ -12,7 +12,7 @@ import torch
 
 from replicator import _env
 from replicator.asynchronous.actor_learner.regime import serves_this_run
-from replicator.asynchronous.modes import ActorLearner, DiLoCo, ParameterServers, mode_name, training_mode
+from replicator.asynchronous.modes import ActorLearner, DiLoCo, ParameterServers, training_mode
 from replicator.cadence import Cadence, Hooks
 from replicator.context import InputContext, ReplicaContext
 from replicator.epochs import InputPosition
@@ -87,7 +87,7 @@ class Replicator:
         self.arguments = {**given, **deprecated}  # as given: for run records
         recompute = check_pipeline_arguments(stages, chunks, recompute, checkpoint)  # checkpoint=: deprecated
         check_nonfinite_policy(nonfinite)
-        precision, shard = Precision.of(precision), check_shard(shard, mode_name(mode), stages, precision)
+        precision, shard = Precision.of(precision), check_shard(shard, mode, stages, precision, uneven_batches)
         self.mode = training_mode(mode, stages, deprecated)  # the mode's keywords beside it: deprecated
         self.job = job = Job.start(stages=stages, timeout_s=timeout_s, debug=debug, **self.mode.job_shape())
         self.topology, self.groups, self.device, self.context = job.topology, job.groups, job.device, job.context

@@ -30,7 +30,7 @@ from replicator.sync.optimizer import SyncedOptimizers
 from replicator.sync.reducers import Reducer
 from replicator.topology import ProcessGroups, discover
 
-__all__ = ["ParameterServers", "DiLoCo", "ActorLearner", "OuterOptimizer", "TrainingMode", "mode_name", "training_mode",
+__all__ = ["ParameterServers", "DiLoCo", "ActorLearner", "OuterOptimizer", "TrainingMode", "training_mode",
            "KEYWORDS"]
 
 
@@ -77,11 +77,6 @@ Config = ParameterServers | DiLoCo | ActorLearner
 KEYWORDS: dict[str, Any] = {"sync_group_size": 1, "outer_every": None, "outer_optimizer": None,
                             "parameter_servers": 0, "max_staleness": None, "actors": 0, "evaluator": False}
 _CONFIGS: dict[str, type[Config]] = {"async": ParameterServers, "diloco": DiLoCo, "actor_learner": ActorLearner}
-
-
-def mode_name(mode: str | Config) -> str:
-    """"sync", "async", "diloco" or "actor_learner" (as given: unchecked)."""
-    return mode if isinstance(mode, str) else mode.name
 
 
 def training_mode(mode: str | Config, stages: int, deprecated: Mapping[str, Any]) -> TrainingMode:

@@ -66,8 +66,12 @@ SHARDED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _CHOICES = "None (every replica keeps everything), " + ", ".join(f"{k!r} ({v})" for k, v in SHARD_LEVELS.items())
 
 
-def check_shard(shard: str | None, mode: str, stages: int, precision: object = "fp32") -> str | None:
-    """The shard level, checked before the job starts: the same arguments raise the same error on every replica."""
+def check_shard(shard: str | None, mode: object, stages: int, precision: object = "fp32",
+                uneven_batches: object = "refuse") -> str | None:
+    """The shard level, checked before the job starts: the same arguments raise the same error on every replica.
+
+    `mode` is Replicator's: a name, or a mode's config object (rp.ParameterServers, ...) with its `name`."""
+    mode = getattr(mode, "name", mode)
     if shard is None:
         return None
     if shard not in SHARD_LEVELS:
@@ -76,6 +80,11 @@ def check_shard(shard: str | None, mode: str, stages: int, precision: object = "
         raise ReplicatorUsageError(
             f"shard={shard!r} works with mode='sync' only, not mode={mode!r}: parameter servers, actors and DiLoCo's "
             "groups keep whole copies of the optimizer state by design. Drop shard= or use mode='sync'")
+    if shard == "parameters" and uneven_batches != "refuse":
+        raise ReplicatorUsageError(
+            f"shard='parameters' with uneven_batches={uneven_batches!r} is not available yet: FSDP2's reduce-scatter "
+            "averages every replica's gradient alike, so replicas with more samples would not weigh more. Give every "
+            "replica batches of one size (uneven_batches='refuse'), or use shard='gradients', which weighs them")
     if shard == "parameters" and getattr(precision, "name", precision) == "fp16":
         raise ReplicatorUsageError(
             "shard='parameters' with precision='fp16' is not available yet: fp16's loss scale judges whole "

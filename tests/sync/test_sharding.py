@@ -307,6 +307,9 @@ def memory_of_gradients() -> dict[str, int]:
     ({"shard": "parameters", "mode": "async", "parameter_servers": 1}, r"mode='sync' only, not mode='async'"),
     ({"shard": "optimizer", "mode": "async", "parameter_servers": 1}, r"mode='sync' only, not mode='async'"),
     ({"shard": "gradients", "mode": "actor_learner", "actors": 1}, r"mode='sync' only, not mode='actor_learner'"),
+    ({"shard": "optimizer", "mode": rp.ParameterServers()}, r"mode='sync' only, not mode='async'"),
+    ({"shard": "parameters", "uneven_batches": "weighted"},
+     r"shard='parameters' with uneven_batches='weighted' is not available yet"),
 ])
 def test_bad_shard_arguments_are_refused_before_the_job_starts(arguments: dict[str, Any], message: str) -> None:
     with pytest.raises(rp.ReplicatorUsageError, match=message):
