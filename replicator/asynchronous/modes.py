@@ -85,7 +85,7 @@ def training_mode(mode: str | Config, stages: int, deprecated: Mapping[str, Any]
     unknown = [key for key in deprecated if key not in KEYWORDS]
     if unknown:
         raise TypeError(f"Replicator() got an unexpected keyword argument {unknown[0]!r}")
-    given = {key: value for key, value in deprecated.items() if value is not KEYWORDS[key] and value != KEYWORDS[key]}
+    given = {key: value for key, value in deprecated.items() if value != KEYWORDS[key]}
     if isinstance(mode, (ParameterServers, DiLoCo, ActorLearner)):
         if given:
             raise ReplicatorUsageError(
