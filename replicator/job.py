@@ -57,10 +57,12 @@ class Job:
 
     @classmethod
     def start(cls, *, stages: int = 1, timeout_s: float | None = None, debug: bool | None = None,
-              servers: int = 0, group_size: int = 1) -> Job:
+              serving: int = 0, group_size: int = 1,
+              role_names: tuple[str, str] = ("worker", "parameter server")) -> Job:
         """Discover this process's place, join the job's process groups and connect the links.
 
-        `servers` > 0 gives the processes roles (Mesh): parameter servers and sync groups of `group_size`."""
+        `serving` > 0 gives the processes roles (Mesh): the last `serving` ranks serve (`role_names[1]`), the others
+        step in sync groups of `group_size` (`role_names[0]`)."""
         topology = discover()
         threads = _env.threads()
         if threads is not None:
@@ -68,8 +70,8 @@ class Job:
         timeout_s = _env.timeout_s() if timeout_s is None else timeout_s
         debug = _env.debug() if debug is None else debug
         owns_process_group = topology.distributed and not dist.is_initialized()
-        groups = build_process_groups(topology, stages=stages, timeout_s=timeout_s, servers=servers,
-                                      group_size=group_size)
+        groups = build_process_groups(topology, stages=stages, timeout_s=timeout_s, serving=serving,
+                                      group_size=group_size, role_names=role_names)
         mesh = groups.mesh
         agreement, replica_agreement = _agreements(topology, groups, timeout_s, debug)
         context = ReplicaContext(mesh.replica_id, mesh.num_replicas, groups.replica, replica_agreement)
@@ -91,7 +93,7 @@ class Job:
                   owns_process_group)
         heartbeat_s = _env.heartbeat_s(timeout_s)
         if topology.world_size > 1 and heartbeat_s > 0:  # a wait that lasts names the peers it waits for
-            one_role = mesh.stages == 1 and mesh.servers == 0 and mesh.world_size == mesh.num_replicas
+            one_role = mesh.stages == 1 and mesh.serving == 0 and mesh.world_size == mesh.num_replicas
             names = [f"{'replica' if one_role else 'rank'} {rank}" for rank in range(topology.world_size)]
             job.close_with(Heartbeat(topology.rank, names, heartbeat_s, timeout_s).start())
         if owns_process_group:

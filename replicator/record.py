@@ -132,7 +132,8 @@ def job_config(arguments: dict[str, Any], job: Job, reducer: object, modules: li
         "topology": {
             "world_size": topology.world_size, "replicas": mesh.num_replicas, "stages": mesh.stages,
             "nodes": topology.num_nodes, "processes_per_node": topology.local_world_size,
-            "mode": arguments.get("mode", "sync"), "servers": mesh.servers, "backend": topology.backend,
+            "mode": getattr(arguments.get("mode", "sync"), "name", arguments.get("mode", "sync")),  # or its config's
+            "servers": mesh.serving, "serving_role": mesh.role_names[1], "backend": topology.backend,
             "device": topology.device.type, "launcher": topology.launcher,
         },
         "reducer": getattr(reducer, "name", type(reducer).__name__),

@@ -150,41 +150,46 @@ class Mesh:
     Nodes hold `local_world_size` consecutive ranks. Every process computes the same
     partitions, which is what lets them create process groups in the same order.
 
-    Roles (the asynchronous regime): with `servers` > 0 the last `servers` ranks are
-    parameter servers and the others workers in sync groups of `group_size` consecutive
-    ranks. A process's "replicas" are then its role group (its sync group, or the servers),
-    the processes it stays in lock-step with.
+    Roles (the asynchronous modes): with `serving` > 0 the last `serving` ranks serve instead of
+    stepping (parameter servers; actors and the evaluator), and the others run step_fn in sync
+    groups of `group_size` consecutive ranks (workers; learners). `role_names` names the two
+    sides in messages. A process's "replicas" are then its role group (its sync group, or the
+    serving ranks), the processes it stays in lock-step with.
     """
 
     rank: int = 0
     world_size: int = 1
     stages: int = 1
     local_world_size: int = 1
-    servers: int = 0
+    serving: int = 0
     group_size: int = 1
+    role_names: tuple[str, str] = ("worker", "parameter server")  # (who steps, who serves)
 
     @classmethod
-    def of(cls, topology: Topology, stages: int = 1, servers: int = 0, group_size: int = 1) -> Mesh:
+    def of(cls, topology: Topology, stages: int = 1, serving: int = 0, group_size: int = 1,
+           role_names: tuple[str, str] = ("worker", "parameter server")) -> Mesh:
         """This process's mesh; raises when `stages` does not divide the world."""
         if stages < 1 or topology.world_size % stages != 0:
             raise ReplicatorUsageError(
                 f"stages={stages} does not divide the world size {topology.world_size}: "
                 f"launch a multiple of {stages} processes or change stages"
             )
-        return cls(topology.rank, topology.world_size, stages, topology.local_world_size, servers, group_size)
+        return cls(topology.rank, topology.world_size, stages, topology.local_world_size, serving, group_size,
+                   role_names)
 
     @property
-    def num_workers(self) -> int:
-        """The processes that run step_fn: all of them but the parameter servers."""
-        return self.world_size - self.servers
+    def num_stepping(self) -> int:
+        """The processes that run step_fn: all of them but the serving ones."""
+        return self.world_size - self.serving
 
     @property
-    def is_server(self) -> bool:
-        return self.rank >= self.num_workers
+    def serves(self) -> bool:
+        """Does this process serve (a parameter server, an actor, the evaluator) instead of stepping?"""
+        return self.rank >= self.num_stepping
 
     @property
-    def server_ranks(self) -> list[int]:
-        return list(range(self.num_workers, self.world_size))
+    def serving_ranks(self) -> list[int]:
+        return list(range(self.num_stepping, self.world_size))
 
     @property
     def group_partition(self) -> list[list[int]]:
@@ -198,13 +203,13 @@ class Mesh:
 
     @property
     def num_replicas(self) -> int:
-        if self.servers:
+        if self.serving:
             return len(self.replica_ranks)
         return self.world_size // self.stages
 
     @property
     def replica_id(self) -> int:
-        if self.servers:
+        if self.serving:
             return self.replica_ranks.index(self.rank)
         return self.rank // self.stages
 
@@ -225,8 +230,8 @@ class Mesh:
         """Each stage's replica group (the ranks that average one stage's gradients), stage by stage.
 
         With roles: the sync groups, then the servers."""
-        if self.servers:
-            return [*self.group_partition, self.server_ranks]
+        if self.serving:
+            return [*self.group_partition, self.serving_ranks]
         return [[r * self.stages + s for r in range(self.num_replicas)] for s in range(self.stages)]
 
     @property
@@ -249,8 +254,8 @@ class Mesh:
     @property
     def replica_ranks(self) -> list[int]:
         """This stage's replica group: where this process's gradients are averaged."""
-        if self.servers:
-            return self.server_ranks if self.is_server else self.group_partition[self.group_id]
+        if self.serving:
+            return self.serving_ranks if self.serves else self.group_partition[self.group_id]
         return self.replica_partition[self.stage_id]
 
     @property
@@ -260,7 +265,7 @@ class Mesh:
 
     def sync_group_partition(self, size: int) -> list[list[int]]:
         """The workers (every rank of a job without stages or servers) in sync groups of `size` neighbouring ranks."""
-        return [list(range(first, first + size)) for first in range(0, self.num_workers, size)]
+        return [list(range(first, first + size)) for first in range(0, self.num_stepping, size)]
 
     def across_sync_groups_partition(self, size: int) -> list[list[int]]:
         """One rank of every sync group, at the same place in each: where groups pool what they learned."""
@@ -338,13 +343,14 @@ def _store_for_next_job(timeout: timedelta) -> tuple[dist.Store, int, int]:
 
 
 def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S, *,
-                         servers: int = 0, group_size: int = 1) -> ProcessGroups:
+                         serving: int = 0, group_size: int = 1,
+                         role_names: tuple[str, str] = ("worker", "parameter server")) -> ProcessGroups:
     """Initialise torch.distributed (if the job has peers) and build every group once.
 
-    With `servers` (the asynchronous regime) the control and replica groups are each process's
+    With `serving` ranks (the asynchronous modes) the control and replica groups are each process's
     role group, so the step loop's checks and gradient averaging stay inside a sync group and
     never wait for another group or a server; `everyone` spans the job."""
-    mesh = Mesh.of(topology, stages, servers, group_size)
+    mesh = Mesh.of(topology, stages, serving, group_size, role_names)
     if not topology.distributed:
         return ProcessGroups(None, None, None, None, None, None, None, mesh)
 
@@ -357,7 +363,7 @@ def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float =
             os.environ.setdefault("WORLD_SIZE", str(topology.world_size))
         if topology.device.type == "cuda":
             # Only the groups that average gradients run NCCL collectives (servers and actors use Gloo).
-            topology.refuse_shared_gpus(mesh.group_partition if servers else [list(range(topology.world_size))])
+            topology.refuse_shared_gpus(mesh.group_partition if serving else [list(range(topology.world_size))])
             torch.cuda.set_device(topology.device)
         store, rank, world_size = _store_for_next_job(timeout)
         dist.init_process_group(topology.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -375,7 +381,7 @@ def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float =
                 mine = group
         return mine
 
-    if servers:
+    if serving:
         everyone = new_group(list(range(topology.world_size)), backend="gloo")
         role_control = my_group(mesh.replica_partition, backend="gloo")
         # The sync groups average gradients on the data backend; the servers' (or actors') group talks

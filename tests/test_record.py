@@ -261,4 +261,5 @@ def test_an_async_run_records_its_main_workers_steps_and_every_groups_staleness(
     groups = summary["asynchronous"]["groups"]
     assert set(groups) == {"0", "1"} and all(group["staleness"]["bound"] == 2 for group in groups.values())
     assert read_json(tmp_path / "async", "config.json")["topology"]["servers"] == 1
+    assert read_json(tmp_path / "async", "config.json")["topology"]["serving_role"] == "parameter server"
     assert results[1]["run_dir"] is None and results[2]["run_dir"] is None

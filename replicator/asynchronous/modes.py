@@ -135,12 +135,12 @@ class TrainingMode:
             return cls(DiLoCo(outer_every, sync_group_size, outer_optimizer))  # type: ignore[arg-type]
         return cls(None)
 
-    def job_shape(self) -> dict[str, int]:
+    def job_shape(self) -> dict[str, Any]:
         """Job.start's role arguments: actor–learner's, or the parameter servers' and their sync groups'."""
         if self.roles is not None:
             return self.roles.job_shape()
         if self.settings is not None:
-            return {"servers": self.settings.parameter_servers, "group_size": self.settings.sync_group_size}
+            return {"serving": self.settings.parameter_servers, "group_size": self.settings.sync_group_size}
         return {}
 
     def synced(self, job: Job, reducer: str | Reducer, uneven_batches: Any) -> ProcessGroups:

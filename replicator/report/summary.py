@@ -20,7 +20,7 @@ def _shape(run: Run) -> str:
     if topology.get("stages", 1) > 1:
         parts.append(f"{topology['stages']} stages")
     if topology.get("servers"):
-        parts.append(f"{topology['servers']} server(s)")
+        parts.append(f"{topology['servers']} {topology.get('serving_role', 'server')}(s)")
     parts += [run.mode, f"reducer {run.config.get('reducer', '?')}", f"{topology.get('device', '?')}"]
     return ", ".join(parts)
 

@@ -85,8 +85,8 @@ def process_label(repl: Recordable) -> str:
     if roles is not None:
         return str(roles.describe())
     mesh, rank = repl.job.mesh, repl.job.topology.rank
-    if mesh.servers:
-        what = (f"parameter server {rank - mesh.num_workers}" if mesh.is_server
+    if mesh.serving:
+        what = (f"parameter server {rank - mesh.num_stepping}" if mesh.serves
                 else f"worker {mesh.replica_id} of sync group {mesh.group_id}")
     elif mesh.stages > 1:
         what = f"replica {mesh.replica_id}, stage {mesh.stage_id}"

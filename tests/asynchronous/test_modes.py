@@ -39,7 +39,8 @@ def trained(arguments: dict[str, Any]) -> dict[str, Any]:
         warnings.simplefilter("always")
         repl = rp.Replicator(**arguments)
     found: dict[str, Any] = {"role": repl.role, "deprecated": [str(w.message) for w in caught
-                                                                if issubclass(w.category, DeprecationWarning)]}
+                                                                if issubclass(w.category, DeprecationWarning)],
+                             "mesh": (repl.job.mesh.role_names, repl.job.mesh.serves)}
     if repl.role == "learner" or repl.role == "actor" or repl.role == "evaluator":
         repl.close()  # actor–learner: the roles are what this test compares (test_actor_learner.py trains it)
         return found
@@ -82,8 +83,10 @@ def test_a_config_object_runs_the_job_its_deprecated_keywords_ran(mode: str) -> 
             assert torch.equal(g, e)  # the same regime, the same arithmetic
     if mode == "parameter servers":
         assert [r["role"] for r in new] == ["worker", "worker", "server"]
-    if mode == "actor-learner":
+        assert [r["mesh"] for r in new] == [(("worker", "parameter server"), serves) for serves in (False, False, True)]
+    if mode == "actor-learner":  # the mesh names its roles: actors are not its "servers"
         assert [r["role"] for r in new] == ["learner", "actor", "evaluator"]
+        assert [r["mesh"] for r in new] == [(("learner", "actor"), serves) for serves in (False, True, True)]
 
 
 @pytest.fixture

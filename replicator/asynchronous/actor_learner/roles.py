@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from replicator.errors import ReplicatorUsageError
 from replicator.topology import discover
@@ -90,9 +91,9 @@ class Roles:
             return f"learner {self.index} (rank {self.rank})"
         return self.name(self.index)
 
-    def job_shape(self) -> dict[str, int]:
-        """Job.start's arguments: the non-learners as the Mesh's servers, the learners as its one sync group."""
-        return {"servers": self.others, "group_size": self.learners}
+    def job_shape(self) -> dict[str, Any]:
+        """Job.start's arguments: the non-learners as the Mesh's serving ranks, the learners as its one sync group."""
+        return {"serving": self.others, "group_size": self.learners, "role_names": ("learner", "actor")}
 
 
 def shards_fed_by(actor: int, live: list[int], learners: int) -> list[int]:

@@ -87,7 +87,7 @@ def write_cut(states: Mapping[int, bytes], trained: Mapping[str, Any], mesh: Mes
     if len(paths) > 1:
         raise ReplicatorUsageError(f"the sync groups asked to save to different paths {sorted(paths)}: call "
                                    "repl.save() with the same path on every process")
-    index = mesh.rank - mesh.num_workers
+    index = mesh.rank - mesh.num_stepping
     modules, optimizers, schedulers = trained["modules"], trained["optimizers"], trained["schedulers"]
     for optimizer, options in zip(optimizers, lead["options"], strict=True):
         for group, saved in zip(optimizer.param_groups, options, strict=True):
@@ -104,14 +104,14 @@ def write_cut(states: Mapping[int, bytes], trained: Mapping[str, Any], mesh: Mes
         for scheduler, state in zip(schedulers, lead["schedulers"], strict=True):
             scheduler.load_state_dict(state)
         for rank, state in decoded.items():
-            tag = checkpoint.Layout(rank, mesh.num_workers).tag
+            tag = checkpoint.Layout(rank, mesh.num_stepping).tag
             tensors.update({f"_local/{tag}/{key}": _from(entry) for key, entry in state["local"].items()})
     share = checkpoint.Share(owns=lambda name: name in mine or (index == 0 and name not in learned),
                              record="stage0" if index == 0 else f"server{index}", tensors=tensors, local=False,
                              regime=regime)
     return checkpoint.save(lead["path"], modules=modules, optimizers=optimizers, schedulers=schedulers,
                            step=int(lead["step"]), input_state=lead["input"], extra=lead["extra"],
-                           layout=checkpoint.Layout(0, mesh.num_workers), group=servers, keep=lead["keep"],
+                           layout=checkpoint.Layout(0, mesh.num_stepping), group=servers, keep=lead["keep"],
                            share=share)
 
 
@@ -119,9 +119,9 @@ def restore_share(trained: Mapping[str, Any], mesh: Mesh, shards: ShardMap) -> t
                                                                                         checkpoint.Layout]:
     """What this process loads of a checkpoint (every process loads the whole model): a server, the optimizer
     state of its shard under the current cut into shards; a worker, its generators and input tensors."""
-    if not mesh.is_server:
-        return checkpoint.Share(owns=lambda name: False), checkpoint.Layout(mesh.rank, mesh.num_workers)
+    if not mesh.serves:
+        return checkpoint.Share(owns=lambda name: False), checkpoint.Layout(mesh.rank, mesh.num_stepping)
     names = parameter_names(named_modules(trained["modules"]))
-    index = mesh.rank - mesh.num_workers
+    index = mesh.rank - mesh.num_stepping
     mine = {names[id(p)] for k in range(len(shards.optimizers)) for p in shards.shard(k, index).params}
-    return checkpoint.Share(owns=mine.__contains__, local=False), checkpoint.Layout(0, mesh.num_workers)
+    return checkpoint.Share(owns=mine.__contains__, local=False), checkpoint.Layout(0, mesh.num_stepping)

@@ -97,7 +97,7 @@ class Links:
             # One group per way of waiting. A Gloo group's timeout is each process's own, and it bounds a send as
             # well as a receive (a send waits for the receiver): a server waits on groups without a limit of
             # Gloo's (a receive that timed out would break its pair for good), a leader on a server as above.
-            world, serving = list(range(mesh.world_size)), mesh.is_server
+            world, serving = list(range(mesh.world_size)), mesh.serves
             self.requests = dist.new_group(world, backend="gloo", timeout=timedelta(
                 days=7) if serving else timedelta(seconds=2 * timeout_s))
             self.replies = dist.new_group(world, backend="gloo", timeout=timedelta(
@@ -119,7 +119,7 @@ class Links:
     def to_server(self, index: int) -> Link:
         rank, role = self.mesh.rank, f"sync group {self.mesh.group_id}"
         if not self.sockets:
-            server = Peer(self.mesh.server_ranks[index], f"parameter server {index}", -1, "gloo")
+            server = Peer(self.mesh.serving_ranks[index], f"parameter server {index}", -1, "gloo")
             return _GlooEnds(GlooPeer(server, self.requests), GlooPeer(server, self.replies))
         return connect(f"{self.prefix}server{index}", rank=rank, role=role, timeout_s=2 * self.timeout_s)
 

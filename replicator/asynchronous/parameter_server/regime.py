@@ -47,7 +47,7 @@ class AsyncRegime(Regime):
                  position: InputPosition, trained: Callable[[], dict[str, Any]]) -> None:
         self.settings, self.job, self.optimizers, self.trained = settings, job, optimizers, trained
         mesh = self.mesh = job.mesh
-        self.serves = mesh.is_server
+        self.serves = mesh.serves
         self.prints_report = not self.serves
         self._runs = 0
         self._server: ParameterServer | None = None
@@ -60,7 +60,7 @@ class AsyncRegime(Regime):
         if not self.serves:
             # One input pipeline per worker: the groups read different data, as synchronous replicas do.
             position.context = InputContext(num_replicas=mesh.num_replicas, replica_id=mesh.replica_id,
-                                            input_pipeline_id=mesh.rank, num_input_pipelines=mesh.num_workers)
+                                            input_pipeline_id=mesh.rank, num_input_pipelines=mesh.num_stepping)
 
     def input_fn(self, input_fn: Callable[[InputContext], Iterable[Any]]) -> Callable[[InputContext], Iterable[Any]]:
         """Servers read no data: their input is empty and input_fn is never called there."""
@@ -90,7 +90,7 @@ class AsyncRegime(Regime):
     def _write(self, states: dict[int, bytes]) -> Path:
         assert self._server is not None
         record = {"mode": "async", "parameter_servers": self.settings.parameter_servers,
-                  "sync_group_size": self.settings.sync_group_size, "workers": self.mesh.num_workers}
+                  "sync_group_size": self.settings.sync_group_size, "workers": self.mesh.num_stepping}
         return write_cut(states, self.trained(), self.mesh, self._server.shards, self.job.groups.replica_control,
                          record)
 
@@ -129,13 +129,13 @@ class AsyncRegime(Regime):
                                    "departed": dict(exchange.departed), **exchange.record.summary()}
         if self.mesh.rank != 0:  # the main worker reads every group's: the store may leave with it (rank 0 holds
             return {"asynchronous": figures}  # it under a plain multiprocessing start), so no other worker tries
-        found = reports.gather(list(range(self.mesh.num_workers)))
+        found = reports.gather(list(range(self.mesh.num_stepping)))
         partition = self.mesh.group_partition
         groups = {group: {"ranks": ranks, **{k: v for k, v in found[ranks[0]].items() if k != "row"}}
                   for group, ranks in enumerate(partition) if ranks[0] in found}
         per_worker = [found[rank]["row"] for rank in sorted(found)]
         if show:
-            print_report(group_lines(groups, partition, exchange.departed, self.mesh.servers,
+            print_report(group_lines(groups, partition, exchange.departed, self.mesh.serving,
                                      self.settings.max_staleness), per_worker)
         return {"per_replica": per_worker, "asynchronous": {**figures, "groups": groups}}
 

@@ -70,7 +70,7 @@ class ParameterServer:
     def __init__(self, mesh: Mesh, servers: dist.ProcessGroup | None, shards: ShardMap, max_staleness: int | None,
                  timeout_s: float, on_save: Callable[[dict[int, bytes]], object], plan: links.Links) -> None:
         self.mesh, self.servers_group = mesh, servers
-        self.index = mesh.rank - mesh.num_workers
+        self.index = mesh.rank - mesh.num_stepping
         self.groups = mesh.group_partition
         self.group_of = {ranks[0]: group for group, ranks in enumerate(self.groups)}  # a leader's rank: its group
         self.shards = shards
@@ -306,10 +306,10 @@ class ParameterServer:
     # -- the end -------------------------------------------------------------------------------
     def _share_final_parameters(self) -> None:
         """Every server ends holding the whole model: each broadcasts its shards to the others."""
-        if self.servers_group is None or self.mesh.servers == 1:
+        if self.servers_group is None or self.mesh.serving == 1:
             return
         for k in range(len(self.books)):
-            for server, rank in enumerate(self.mesh.server_ranks):
+            for server, rank in enumerate(self.mesh.serving_ranks):
                 broadcast_from_first(self.shards.shard(k, server).params, self.servers_group, rank)
 
     def close(self) -> None:

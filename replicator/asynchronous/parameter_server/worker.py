@@ -42,7 +42,7 @@ class GroupExchange:
         self.leader = mesh.group_partition[self.group_id][0]
         self.is_leader = mesh.rank == self.leader
         self.shards = shards
-        self.num_servers = mesh.servers
+        self.num_servers = mesh.serving
         for row in shards.shards:
             for shard in row:
                 shard.bind()
@@ -122,7 +122,7 @@ class GroupExchange:
         if verdict[0] != links.OK:
             server = verdict[1]
             raise ServerError(message or (
-                f"parameter server {server} (rank {self.mesh.server_ranks[server]}) failed or dropped sync group "
+                f"parameter server {server} (rank {self.mesh.serving_ranks[server]}) failed or dropped sync group "
                 f"{self.group_id}; see the error of its leader (rank {self.leader})"))
         for k in optimizers:  # parameters on an accelerator: from the buffers the bytes landed in
             for server in range(self.num_servers):
@@ -228,7 +228,7 @@ class GroupExchange:
         verdict[0], verdict[1] = links.FAILED, server
         if (why := links.Dropped.read(self.group_id)) is not None:  # the servers went on without this group
             return self._dropped(verdict, server, why)
-        rank = self.mesh.server_ranks[server]
+        rank = self.mesh.serving_ranks[server]
         cause = f": {error}" if error is not None else ""
         return (f"parameter server {server} (rank {rank}) {what} while sync group {self.group_id} (leader rank "
                 f"{self.leader}) was at step {self.step}{cause}. The asynchronous run cannot go on without the "
@@ -236,7 +236,7 @@ class GroupExchange:
 
     def _dropped(self, verdict: list[int], server: int, why: str) -> str:
         verdict[0], verdict[1] = links.FAILED, server
-        return (f"parameter server {server} (rank {self.mesh.server_ranks[server]}) dropped sync group "
+        return (f"parameter server {server} (rank {self.mesh.serving_ranks[server]}) dropped sync group "
                 f"{self.group_id} (leader rank {self.leader}) as hung, {self.step - 1} updates into the run: "
                 f"{why or 'it sent nothing for longer than REPLICATOR_TIMEOUT'}, so the servers went on without it. "
                 f"A group that computes longer than REPLICATOR_TIMEOUT ({self.timeout_s:g} s) between optimizer "
