@@ -41,7 +41,7 @@ def trained(arguments: dict[str, Any]) -> dict[str, Any]:
     found: dict[str, Any] = {"role": repl.role, "deprecated": [str(w.message) for w in caught
                                                                 if issubclass(w.category, DeprecationWarning)],
                              "mesh": (repl.job.mesh.role_names, repl.job.mesh.serves)}
-    if repl.role == "learner" or repl.role == "actor" or repl.role == "evaluator":
+    if repl.role in ("learner", "actor", "evaluator"):
         repl.close()  # actor–learner: the roles are what this test compares (test_actor_learner.py trains it)
         return found
     with repl.scope():
