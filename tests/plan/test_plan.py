@@ -272,13 +272,37 @@ def test_alpha_beta_fit_recovers_the_ring_parameters() -> None:
 @pytest.mark.timeout(60)
 def test_calibrate_measures_this_machine_quickly() -> None:
     # Two real processes over Gloo on loopback; sizes kept small so this takes a few seconds.
-    measured = calibrate(run_replicas, sizes=(4 << 10, 256 << 10, 2 << 20), repeats=3, matmul_size=256,
+    measured = calibrate(run_replicas, sizes=(4 << 10, 1 << 20, 8 << 20), repeats=3, matmul_size=256,
                          timeout_s=45)
     assert measured.matmul_flops > 0 and measured.beta > 0 and measured.alpha >= 0
-    assert [size for size, _ in measured.samples] == [4 << 10, 256 << 10, 2 << 20]
+    assert [size for size, _ in measured.samples] == [4 << 10, 1 << 20, 8 << 20]
     # A 4 MiB cast to fp16, and fp16 all-reduces of the two largest sizes (in fp16 bytes).
     assert measured.cast_bandwidth > 0 and measured.fp16_sum_rate > 0
-    assert [size for size, _ in measured.fp16_samples] == [128 << 10, 1 << 20]
+    assert [size for size, _ in measured.fp16_samples] == [512 << 10, 4 << 20]
+
+
+def test_calibrate_measures_again_when_noise_hides_the_growth_with_size() -> None:
+    # Each call plays both ranks of one measurement: the first is swamped by other work (the 1 MiB all-reduce
+    # no slower than the 4 KiB one), the second is clean. The fit keeps each size's fastest time.
+    noisy = [(4096, [3e-3]), (1 << 20, [2e-3])]
+    clean = [(4096, [1e-4]), (1 << 20, [1e-3])]
+    measurements = iter([noisy, clean])
+    calls = []
+
+    def runner(fn: object, world_size: int, *args: object, timeout_s: float) -> list[object]:
+        calls.append(world_size)
+        per_size = next(measurements)
+        return [(per_size, per_size)] * world_size
+
+    measured = calibrate(runner, sizes=(4096, 1 << 20), repeats=1, matmul_size=64, fp16_sizes=(4096, 1 << 20))
+    assert calls == [2, 2]
+    assert list(measured.samples) == [(4096, 1e-4), (1 << 20, 1e-3)]
+    assert measured.beta == pytest.approx(1 / ((1e-3 - 1e-4) / ((1 << 20) - 4096)))
+
+    always_noisy = iter([noisy] * 3)
+    with pytest.raises(ValueError, match="did not grow with message size"):
+        calibrate(lambda fn, n, *a, timeout_s: [(next(always_noisy),) * 2] * n, sizes=(4096, 1 << 20),
+                  repeats=1, matmul_size=64, fp16_sizes=(4096, 1 << 20))
 
 
 # --- the command line -------------------------------------------------------------------------
