@@ -7,6 +7,7 @@ import contextlib
 import functools
 import os
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -24,7 +25,7 @@ from replicator.context import ReplicaContext, set_active_context
 from replicator.errors import ReplicaMismatchError
 from replicator.topology import Mesh, ProcessGroups, Topology, build_process_groups, discover
 
-__all__ = ["Job", "announced"]
+__all__ = ["Job", "announced", "leave_after_failure"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _Class = TypeVar("_Class", bound=type)
@@ -96,9 +97,10 @@ class Job:
             one_role = mesh.stages == 1 and mesh.serving == 0 and mesh.world_size == mesh.num_replicas
             names = [f"{'replica' if one_role else 'rank'} {rank}" for rank in range(topology.world_size)]
             job.close_with(Heartbeat(topology.rank, names, heartbeat_s, timeout_s).start())
+        _open_jobs.append(job)
         if owns_process_group:
             atexit.register(job.close)
-            _note_failures(job)
+            _leave_on_uncaught_errors()
         return job
 
     @property
@@ -149,7 +151,11 @@ class Job:
         if not self.failing:
             self._say_goodbye()
         for closer in self._closers:
-            getattr(closer, "close", lambda: None)()
+            close = getattr(closer, "close", lambda: None)
+            if self.failing:
+                _close_within(close, grace_for(self.timeout_s))
+            else:
+                close()
         self._closers.clear()
         if self.data_link is not None and self.groups.replica is not None:
             collectives.detach_link(self.groups.replica, self.data_link)
@@ -166,23 +172,59 @@ class Job:
                     self.barrier()
             dist.destroy_process_group()
             self.owns_process_group = False
+        if self in _open_jobs:
+            _open_jobs.remove(self)
 
 
-def _note_failures(job: Job) -> None:
-    """Mark `job` failing when an uncaught exception ends the process, before the exit-time close runs.
+def _close_within(close: Callable[[], None], seconds: float) -> None:
+    """Call `close` but wait for it at most `seconds`: a failing process must not wait on background work
+    (a reduction still waiting for a peer, say) that its peers may never complete. Errors are ignored."""
+    def close_quietly() -> None:
+        with contextlib.suppress(Exception):
+            close()
 
-    A replica that fails while its peers compute would otherwise wait for them at close()'s
-    last check and barrier, and they for it at their next collective, until the timeout: it
-    must leave at once, so that its closed sockets tell them (plain torchrun and Slurm too,
-    not only `replicator launch`, whose worker leaves the groups itself).
+    thread = threading.Thread(target=close_quietly, name="replicator-close", daemon=True)
+    thread.start()
+    thread.join(seconds)
+
+
+# The jobs started in this process and not yet closed, oldest first.
+_open_jobs: list[Job] = []
+_leaves_on_uncaught_errors = False
+
+
+def leave_after_failure() -> None:
+    """Leave every job of this process at once, as a process that an error ends must: the one exit path.
+
+    A replica that fails while its peers compute would otherwise wait for them at close()'s last
+    check and barrier, and they for it at their next collective, until the timeout. Closing each
+    open job as failing skips those waits and tells the peers through its closed links (an actor–learner
+    learner's actors hear why); the process groups go last, the user's own included. Called by
+    `replicator launch`'s worker, by `replicator.testing.run_replicas`, and (plain torchrun, Slurm)
+    after Python reports an uncaught error. Never raises: the error that ended the process is what matters.
     """
+    for job in reversed(_open_jobs):
+        job.failing = True
+        with contextlib.suppress(Exception):
+            job.close()
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _leave_on_uncaught_errors() -> None:
+    """After Python prints an uncaught error, leave the jobs at once (before the exit-time close would wait)."""
+    global _leaves_on_uncaught_errors
+    if _leaves_on_uncaught_errors:
+        return
+    _leaves_on_uncaught_errors = True
     previous = sys.excepthook
 
-    def note_then_report(kind: type[BaseException], error: BaseException, trace: Any) -> None:
-        job.failing = True
+    def report_then_leave(kind: type[BaseException], error: BaseException, trace: Any) -> None:
         previous(kind, error, trace)
+        leave_after_failure()
 
-    sys.excepthook = note_then_report
+    sys.excepthook = report_then_leave
 
 
 def _agreements(topology: Topology, groups: ProcessGroups, timeout_s: float,

@@ -9,7 +9,6 @@ prints one summary for every replica, keeping the tracebacks in its log file.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import runpy
@@ -106,17 +105,10 @@ def _record(message: str, callstack: str, site: str | None, after: list[int] | N
 
 
 def _leave() -> None:
-    """Leave the job's process groups at once, as a failing replica must.
+    """Leave the job at once, as a failing replica must (replicator.job.leave_after_failure: the one exit path)."""
+    from replicator.job import leave_after_failure
 
-    At exit the job waits for its peers, to tear down together; a replica that failed while
-    the others compute (outside any collective) would wait there for them, up to the
-    collective timeout, and the launcher only stops the others once one process has ended.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+    leave_after_failure()
 
 
 def run(argv: list[str]) -> None:

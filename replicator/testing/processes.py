@@ -57,6 +57,10 @@ def _worker(rank: int, world_size: int, local_world_size: int, port: int, env: d
     except BaseException as error:  # report everything, including SystemExit, to the parent
         failure = RankError(rank, type(error).__name__, str(error), traceback.format_exc())
         results.put((rank, "error", pickle.dumps(failure)))
+        # Leave as any failing replica does, so that its peers hear of it now rather than at their timeout.
+        from replicator.job import leave_after_failure
+
+        leave_after_failure()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
