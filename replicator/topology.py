@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,8 +16,8 @@ from replicator import _env
 from replicator._env import DEFAULT_TIMEOUT_S
 from replicator.errors import ReplicatorUsageError
 
-__all__ = ["Topology", "Mesh", "ProcessGroups", "discover", "build_process_groups", "DEFAULT_TIMEOUT_S",
-           "RegroupedMesh", "build_regrouped"]
+__all__ = ["Topology", "Mesh", "ProcessGroups", "discover", "build_process_groups", "group_of_mine",
+           "DEFAULT_TIMEOUT_S", "RegroupedMesh", "build_regrouped"]
 
 
 @dataclass(frozen=True)
@@ -354,7 +354,6 @@ def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float =
     if not topology.distributed:
         return ProcessGroups(None, None, None, None, None, None, None, mesh)
 
-    timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if topology.launcher == "slurm":
             os.environ.setdefault("MASTER_ADDR", topology.master_addr)
@@ -365,41 +364,50 @@ def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float =
             # Only the groups that average gradients run NCCL collectives (servers and actors use Gloo).
             topology.refuse_shared_gpus(mesh.group_partition if serving else [list(range(topology.world_size))])
             torch.cuda.set_device(topology.device)
+        timeout = timedelta(seconds=timeout_s)
         store, rank, world_size = _store_for_next_job(timeout)
         dist.init_process_group(topology.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     world = dist.group.WORLD
+    everyone = [list(range(topology.world_size))]
 
-    def new_group(ranks: list[int], backend: str | None = None) -> dist.ProcessGroup:
-        return dist.new_group(ranks, timeout=timeout, backend=backend)
-
-    def my_group(partition: list[list[int]], backend: str | None = None) -> dist.ProcessGroup | None:
-        # new_group must be called by every rank for every group, in the same order.
-        mine = None
-        for ranks in partition:
-            group = new_group(ranks, backend)
-            if topology.rank in ranks:
-                mine = group
-        return mine
+    def mine(partition: list[list[int]], backend: str | None = None) -> dist.ProcessGroup | None:
+        return group_of_mine(partition, timeout_s, backend)
 
     if serving:
-        everyone = new_group(list(range(topology.world_size)), backend="gloo")
-        role_control = my_group(mesh.replica_partition, backend="gloo")
+        whole = mine(everyone, backend="gloo")
+        role_control = mine(mesh.replica_partition, backend="gloo")
         # The sync groups average gradients on the data backend; the servers' (or actors') group talks
         # over Gloo, so that on a GPU machine actors and servers may share the learners' GPUs.
         role = None
         for ranks in mesh.replica_partition:
-            group = new_group(ranks, None if ranks in mesh.group_partition else "gloo")
-            role = group if topology.rank in ranks else role
-        return ProcessGroups(world, role_control, role_control, role, None, role, None, mesh, everyone)
+            group = mine([ranks], None if ranks in mesh.group_partition else "gloo")
+            role = group if group is not None else role
+        return ProcessGroups(world, role_control, role_control, role, None, role, None, mesh, whole)
     # The control group is always Gloo on the CPU: its messages are tiny and must not
     # queue behind gradient traffic on the accelerator's stream.
-    control = new_group(list(range(topology.world_size)), backend="gloo")
-    replica = world if stages == 1 else my_group(mesh.replica_partition)
-    replica_control = control if stages == 1 else my_group(mesh.replica_partition, backend="gloo")
-    stage = None if stages == 1 else my_group(mesh.stage_partition)
-    intra = my_group(mesh.node_partition) if mesh.num_nodes > 1 else world
-    inter = my_group(mesh.cross_node_partition) if mesh.num_nodes > 1 else None
+    control = mine(everyone, backend="gloo")
+    replica = world if stages == 1 else mine(mesh.replica_partition)
+    replica_control = control if stages == 1 else mine(mesh.replica_partition, backend="gloo")
+    stage = None if stages == 1 else mine(mesh.stage_partition)
+    intra = mine(mesh.node_partition) if mesh.num_nodes > 1 else world
+    inter = mine(mesh.cross_node_partition) if mesh.num_nodes > 1 else None
     return ProcessGroups(world, control, replica_control, replica, stage, intra, inter, mesh)
+
+
+def group_of_mine(partition: Sequence[Sequence[int]], timeout_s: float, backend: str | None = None
+                  ) -> dist.ProcessGroup | None:
+    """Make one process group per entry of `partition`, in order, and return the one this process is in (or None).
+
+    The package's one group builder. new_group is collective over the whole job: every process must
+    call this with the same partition, at the same point. `timeout_s` is this process's own limit on
+    the group's collectives (processes may choose different ones)."""
+    me = dist.get_rank()
+    found = None
+    for ranks in partition:
+        group = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s), backend=backend)
+        if me in ranks:
+            found = group
+    return found
 
 
 def build_regrouped(groups: ProcessGroups, partition: list[list[int]], timeout_s: float) -> ProcessGroups:
@@ -409,13 +417,7 @@ def build_regrouped(groups: ProcessGroups, partition: list[list[int]], timeout_s
                               partition=tuple(tuple(ranks) for ranks in partition))
     if groups.world is None:
         return dataclasses.replace(groups, mesh=regrouped)
-    timeout = timedelta(seconds=timeout_s)
     # The data group, then a Gloo twin for small control messages unless the data group is Gloo already.
     backends: list[str | None] = [None] if dist.get_backend() == "gloo" else [None, "gloo"]
-    mine: list[dist.ProcessGroup] = []
-    for backend in backends:
-        for ranks in partition:
-            group = dist.new_group(ranks, timeout=timeout, backend=backend)
-            if mesh.rank in ranks:
-                mine.append(group)
+    mine = [group_of_mine(partition, timeout_s, backend) for backend in backends]
     return dataclasses.replace(groups, mesh=regrouped, replica=mine[0], replica_control=mine[-1])

@@ -147,3 +147,11 @@ def test_the_asynchronous_modes_send_nothing_point_to_point_by_hand() -> None:
     offenders = [name for name, path in MODULES.items()
                  if name.startswith("replicator.asynchronous") and raw.search(path.read_text())]
     assert not offenders, f"raw point-to-point calls in {offenders}"
+
+
+def test_process_groups_are_made_in_one_place() -> None:
+    """Every process group comes from topology.group_of_mine: new_group is collective over the whole job, and one
+    builder keeps the rule (every process, the same partition, in the same order) in one place."""
+    offenders = [name for name, path in MODULES.items()
+                 if name != "replicator.topology" and re.search(r"\bnew_(sub)?groups?\(", path.read_text())]
+    assert not offenders, f"process groups made outside replicator.topology in {offenders}"

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Summation", "create_groups", "check_group"]
+__all__ = ["Summation", "check_group"]
 
 
 class Summation(Protocol):
@@ -23,23 +22,6 @@ class Summation(Protocol):
     size: int  # how many replicas contribute to the sum
 
     def sum_(self, tensor: torch.Tensor) -> None: ...
-
-
-def create_groups(partition: list[list[int]], timeout_s: float) -> dist.ProcessGroup | None:
-    """Create one group per entry of `partition`, in order, on every rank; return this rank's.
-
-    new_group is collective over the whole job, so every rank must call this with the same
-    partition at the same point. The groups are the reducer's own: a worker thread's
-    collectives must never share a group with the caller's thread, whose collectives (the
-    user's ctx.all_sum, the flat reducer) would interleave differently on each replica.
-    """
-    me = dist.get_rank()
-    mine = None
-    for ranks in partition:
-        group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
-        if me in ranks:
-            mine = group
-    return mine
 
 
 def check_group(group: dist.ProcessGroup, size: int, name: str, checked: set[int]) -> None:

@@ -6,8 +6,7 @@ import torch
 import torch.distributed as dist
 
 from replicator.sync.bucket import Bucket, PendingReduction
-from replicator.sync.reducers._summation import create_groups
-from replicator.topology import ProcessGroups
+from replicator.topology import ProcessGroups, group_of_mine
 
 __all__ = ["FlatReducer", "FlatSum"]
 
@@ -31,7 +30,9 @@ class FlatSum:
 
     def __init__(self, groups: ProcessGroups, timeout_s: float) -> None:
         self.size = groups.mesh.num_replicas
-        self.group = create_groups(groups.mesh.replica_partition, timeout_s)
+        # The reducer's own copy: a worker thread's collectives must never share a group with the caller's
+        # thread, whose collectives (ctx.all_sum, say) would interleave differently on each replica.
+        self.group = group_of_mine(groups.mesh.replica_partition, timeout_s)
 
     def sum_(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)

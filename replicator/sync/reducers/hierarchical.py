@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from replicator.sync.reducers._ring import all_gather_, reduce_scatter_
-from replicator.topology import ProcessGroups
+from replicator.topology import ProcessGroups, group_of_mine
 
 __all__ = ["HierarchicalSum", "DEFAULT_CHUNK_BYTES", "replicas_per_node", "plan_levels", "level_groups"]
 
@@ -110,21 +109,17 @@ class HierarchicalSum:
         self.name = "hierarchical:" + "x".join(map(str, self.levels))
         self.size = math.prod(self.levels)
         me = groups.mesh.rank
-        timeout = timedelta(seconds=timeout_s)
         self._mine: list[tuple[dist.ProcessGroup, list[int], int]] = []
-        partition = groups.mesh.replica_partition
         for level, size in enumerate(self.levels):
             if size == 1:
                 continue
-            mine = None
             # Every rank creates every group, in the same order: level, then stage, then group.
-            for members in partition:
-                for ranks in level_groups(members, self.levels, level):
-                    group = dist.new_group(ranks, timeout=timeout)
-                    if me in ranks:
-                        mine = (group, ranks, ranks.index(me))
-            assert mine is not None
-            self._mine.append(mine)
+            level_partition = [ranks for members in groups.mesh.replica_partition
+                               for ranks in level_groups(members, self.levels, level)]
+            group = group_of_mine(level_partition, timeout_s)
+            ranks = next(ranks for ranks in level_partition if me in ranks)
+            assert group is not None
+            self._mine.append((group, ranks, ranks.index(me)))
 
     def sum_(self, tensor: torch.Tensor) -> None:
         if not self._mine:

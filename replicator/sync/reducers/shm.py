@@ -16,9 +16,8 @@ from replicator.comm.agreement import PendingAgreement
 from replicator.comm.decision import everyone_agrees
 from replicator.comm.local_link import LocalLink
 from replicator.errors import ReplicaMismatchError
-from replicator.sync.reducers._summation import create_groups
 from replicator.sync.reducers.hierarchical import DEFAULT_CHUNK_BYTES, level_groups, replicas_per_node
-from replicator.topology import ProcessGroups
+from replicator.topology import ProcessGroups, group_of_mine
 
 __all__ = ["SharedMemorySum", "shared_memory_usable", "host_memory_usable", "sum_in_ring_order", "SHARED_MEMORY_DIR"]
 
@@ -133,12 +132,12 @@ class SharedMemorySum:
         node_groups = [ranks for members in partition for ranks in level_groups(members, levels, 0)]
         neighbours = next(ranks for ranks in node_groups if mesh.rank in ranks)
         self.local_size, self.position = per_node, neighbours.index(mesh.rank)
-        self.group = create_groups(node_groups, timeout_s)
+        self.group = group_of_mine(node_groups, timeout_s)
         # The node's barriers carry no data: a Unix socket signals them ten times faster than Gloo.
         self.link = LocalLink.connect(self.group, timeout_s)
         self.across = None
         if levels[1] > 1:
-            self.across = create_groups([ranks for members in partition for ranks in level_groups(members, levels, 1)],
+            self.across = group_of_mine([ranks for members in partition for ranks in level_groups(members, levels, 1)],
                                         timeout_s)
         # A name nobody can guess, agreed on by the node's replicas of this stage: the first one draws it.
         token = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
