@@ -76,6 +76,49 @@ def test_two_fast_actors_never_push_a_commit_or_a_sample_outside_the_limiters_ba
     assert learner["inserts"] <= first["transitions_sent"] + second["transitions_sent"]
 
 
+# -- REPLICATOR_PEER_LINK=0: the same frames over Gloo point-to-point --------------------------------------------------
+def gloo_job() -> tuple[str, dict[str, Any], str | None]:
+    """limited_job's run where some process turned the peer link off; actor 1 first tries rp.join_actor, which needs
+    sockets. Only rank 2 turns the link off: the job decides together, so every process goes over Gloo."""
+    if os.environ["RANK"] == "2":
+        os.environ["REPLICATOR_PEER_LINK"] = "0"
+    repl = rp.Replicator(mode="actor_learner", actors=2)
+    replay = rp.Replay(capacity=10_000, batch_size=LIMITED_BATCH, samples_per_insert=RATIO, tolerance=0.1,
+                       min_size=100, seed=4)
+    with repl.scope():
+        model = make_model()
+    refusal: list[str] = []
+
+    def actor_fn(actor: rp.ActorContext) -> None:
+        if actor.actor_id == 1:
+            try:
+                rp.join_actor(fast_actor, make_model(), replay, actor=1, timeout_s=30)
+            except rp.ReplicatorUsageError as error:
+                refusal.append(str(error))
+        fast_actor(actor)
+
+    def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> None:
+        pass
+
+    for _ in repl.run(step_fn, repl.prepare_input(replay), steps=LIMITED_STEPS, actor_fn=actor_fn):
+        pass
+    del model
+    return repl.role, repl.last_run["actor_learner"], refusal[0] if refusal else None
+
+
+def test_with_the_peer_link_off_actors_and_learners_talk_over_gloo_and_the_limiter_stays_exact() -> None:
+    results = run_replicas(gloo_job, 3, timeout_s=180, env=SHORT)
+    (_, learner, _), (_, first, _), (_, second, refusal) = results
+    assert learner["transport"] == first["transport"] == second["transport"] == "gloo"
+    assert learner["samples"] == LIMITED_STEPS * LIMITED_BATCH
+    assert learner["outside_band"] == 0, learner
+    assert learner["samples_per_insert"] == pytest.approx(RATIO, rel=0.1), learner  # as over sockets
+    assert first["wait_seconds"] > 0 and second["wait_seconds"] > 0, (first, second)  # credits held them back
+    assert learner["departed"] == {}
+    assert refusal is not None and "carries its actor–learner links over Gloo" in refusal, refusal
+    assert "REPLICATOR_PEER_LINK" in refusal
+
+
 # -- add_batch(): a vectorized environment ----------------------------------------------------------------------------
 ENVS, BATCH_CALLS, GAMMA = 3, 8, 0.5
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from replicator.asynchronous.actor_learner import exchange, heartbeats
+from replicator.asynchronous.actor_learner.carrier import INSERTS, WEIGHTS, Carrier
 from replicator.asynchronous.actor_learner.replay import ReplayShard
 from replicator.asynchronous.actor_learner.roles import Roles, shards_fed_by
 from replicator.asynchronous.actor_learner.staging import chunk_rows
@@ -37,7 +38,6 @@ from replicator.asynchronous.actor_learner.transitions import TransitionSpec
 from replicator.asynchronous.actor_learner.variables import VariableSource
 from replicator.comm.frames import Frame
 from replicator.comm.peer_link import Peer, PeerLinkError
-from replicator.comm.peer_server import PeerServer
 from replicator.timeline import recorder as timeline
 
 __all__ = ["LearnerService"]
@@ -50,7 +50,7 @@ class LearnerService:
     """One learner's side of one run(): start() with the run, finish() after its last step."""
 
     def __init__(self, roles: Roles, run: int, shard: ReplayShard, variables: VariableSource,
-                 timeout_s: float) -> None:
+                 timeout_s: float, carrier: Carrier) -> None:
         self.roles, self.run = roles, run
         self.shard, self.variables, self.timeout_s = shard, variables, timeout_s
         others = roles.others
@@ -78,10 +78,8 @@ class LearnerService:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         index = roles.index
-        self.inserts = PeerServer(exchange.Keys.insert_link(run, index), rank=roles.rank, role=f"learner {index}",
-                                  timeout_s=timeout_s, store=exchange.store())
-        self.weights = PeerServer(exchange.Keys.weights_link(run, index), rank=roles.rank, role=f"learner {index}",
-                                  timeout_s=timeout_s, store=exchange.store())
+        self.inserts = carrier.serve(run, INSERTS, index, rank=roles.rank, role=f"learner {index}")
+        self.weights = carrier.serve(run, WEIGHTS, index, rank=roles.rank, role=f"learner {index}")
         self.pulls: dict[Peer, tuple[int, float]] = {}  # pulls waiting for a copy: the version held, answer by
         # A pull waits for the copy of the learner's next publish point at most this long (a learner stuck in a
         # step), then takes the newest copy there is.
