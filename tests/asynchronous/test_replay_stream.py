@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -358,3 +359,45 @@ def test_an_actor_killed_and_restarted_on_its_own_rejoins_and_the_learner_never_
     print(f"death known {rejoined['departed']['at'] - killed:.3f} s after the kill; the restarted actor's first "
           f"insert counted {rejoined['first_insert_at'] - joiner['started']:.3f} s after its interpreter started "
           f"({joiner['seconds']:.1f} s in rp.join_actor)")
+
+
+# -- every actor gone: the learners stop, naming them, once the grace for a restart has passed -----------------------
+
+
+def orphaned_job() -> tuple[str, dict[str, Any]]:
+    repl = rp.Replicator(mode="actor_learner", actors=2)
+    # No limiter: the learners could sample the items they hold forever; they must notice that no actor is left.
+    replay = rp.Replay(capacity=1000, batch_size=8, samples_per_insert=None, min_size=16, seed=6)
+    with repl.scope():
+        model = make_model()
+
+    def actor_fn(actor: rp.ActorContext) -> None:
+        while actor.env_steps < 40 * (actor.actor_id + 1):
+            fast_actor_step(actor)
+        actor.update_weights()  # everything it staged is sent before it dies
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> None:
+        time.sleep(0.001)
+
+    for _ in repl.run(step_fn, repl.prepare_input(replay), steps=10**9, actor_fn=actor_fn):
+        pass
+    del model
+    return repl.role, repl.last_run["actor_learner"]
+
+
+def test_when_every_actor_has_died_every_learner_stops_naming_them_after_the_grace(
+        run_failing_fast: Callable[..., Any]) -> None:
+    # Two learners, two actors, both killed: before, the learners trained on their old items until the harness's
+    # timeout ended the test (a TimeoutError, not this ReplicaFailure).
+    with pytest.raises(ReplicaFailure) as failure:
+        run_failing_fast(orphaned_job, 4, timeout_s=180, collective_timeout_s=15)
+    errors = {e.rank: e for e in failure.value.errors}
+    assert errors[2].kind == errors[3].kind == "died", errors
+    for rank in (0, 1):
+        message = errors[rank].message
+        assert errors[rank].kind != "died" and f"learner {rank} (rank {rank}) stops" in message, message
+        assert "every actor has stopped" in message, message
+        for name in ("actor 0 (rank 2) died", "actor 1 (rank 3) died"):
+            assert name in message, message
+        assert "its link closed" in message and "none was restarted within 5 s" in message, message

@@ -181,6 +181,10 @@ class ActorLearnerRegime(Regime):
                 variables.step = step
             if self._ending():
                 return
+            gone = service.all_gone()  # without a limiter the learners would otherwise train on the old items forever
+            if gone is not None:
+                self._stop(gone)
+                return
             with shard.lock:
                 waited = time.monotonic()
                 while not shard.limiter.can_sample(shard.batch_size) or service.abort or service.error:

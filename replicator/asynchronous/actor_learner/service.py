@@ -43,6 +43,7 @@ from replicator.timeline import recorder as timeline
 __all__ = ["LearnerService"]
 
 WINDOW_CHUNKS = 4  # an actor may have this many chunks in flight when the limiter leaves room
+GRACE_CAP_S = 30.0  # with every actor dead, learners wait for a restarted one REPLICATOR_TIMEOUT / 3, at most this
 KEEPALIVE_S = 1.0  # credits go to every actor at least this often (the run's state, and a sign of life)
 
 
@@ -65,6 +66,10 @@ class LearnerService:
         self.histogram = torch.zeros(exchange.LAG_BINS + 1, dtype=torch.int64)
         self.done = threading.Event()  # the learners finished their steps
         self.abort: str | None = None
+        # Every actor stopped since (None: some actor feeds the replay); the learners stop after the grace, which lets
+        # a restarted actor take a slot over (rp.join_actor) first.
+        self.none_since: float | None = None
+        self.grace_s = min(GRACE_CAP_S, timeout_s / 3)
         self.error: BaseException | None = None
         # The insert thread's books: each actor's connection, its credits, and the items kept for the limiter.
         self.peers: dict[int, Peer] = {}
@@ -108,17 +113,35 @@ class LearnerService:
             return f"its service thread failed: {type(self.error).__name__}: {self.error}"
         if self.abort is not None:
             return self.abort
-        with self.roster:
-            feeders = [a for a in range(self.roles.actors) if a in self.alive and a not in self.finished]
-        if not feeders:
-            gone = ", ".join(f"{self.roles.name(a)} {self._how(a)}" for a in range(self.roles.actors))
-            return (f"every actor has stopped ({gone}), so no experience can reach the replay: see the actors' "
-                    "errors or exit codes (an actor_fn must keep calling actor.add() while actor.running)")
+        gone = self.all_gone()
+        if gone is not None:
+            return gone
         waited = time.monotonic() - self.last_insert
         if waited > self.timeout_s:
+            feeders = [a for a in range(self.roles.actors) if a in self.alive and a not in self.finished]
             return (f"no transition reached its replay shard for {waited:.0f} s (REPLICATOR_TIMEOUT="
                     f"{self.timeout_s:g}) although actor(s) {feeders} are alive: is actor_fn stuck?")
         return None
+
+    def all_gone(self) -> str | None:
+        """Why no actor can feed the replay any more (every actor stopped, and none of those that died was replaced
+        within the grace), or None. Cheap: the main thread asks before every batch."""
+        with self.roster:
+            if any(a in self.alive and a not in self.finished for a in range(self.roles.actors)):
+                self.none_since = None
+                return None
+            died = any(self.departed.get(a, {}).get("how") == "died" for a in range(self.roles.actors))
+        now = time.monotonic()
+        if self.none_since is None:
+            self.none_since = now
+        if died and now - self.none_since < self.grace_s:
+            return None  # a restarted actor may yet take a slot over (rp.join_actor)
+        gone = "; ".join(f"{self.roles.name(a)} {self._how(a)}" for a in range(self.roles.actors))
+        waited = (f" and none was restarted within {self.grace_s:g} s (the grace: REPLICATOR_TIMEOUT / 3, at most "
+                  f"30 s)") if died else ""
+        return (f"every actor has stopped ({gone}){waited}, so no experience can reach the replay: see the actors' "
+                "errors or exit codes (an actor_fn must keep calling actor.add() while actor.running; a restarted "
+                "actor rejoins with rp.join_actor)")
 
     def finish(self) -> None:
         """After the last step: release every actor, wait (at most REPLICATOR_TIMEOUT) for each to say goodbye
@@ -153,9 +176,11 @@ class LearnerService:
         self.weights.close()
 
     def _how(self, actor: int) -> str:
+        """'died 3.2 s into the run (its link closed: ...)', 'finished' or 'running'."""
         if actor in self.departed:
-            return str(self.departed[actor]["how"])
-        return "finished" if actor in self.finished else "running"
+            departed = self.departed[actor]
+            return f"{departed['how']} {departed['seconds']:.1f} s into the run ({departed['why']})"
+        return "finished (its actor_fn returned)" if actor in self.finished else "running"
 
     # -- the insert thread ------------------------------------------------------------------------------
     def _run_inserts(self) -> None:
