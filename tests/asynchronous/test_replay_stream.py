@@ -372,9 +372,9 @@ def orphaned_job() -> tuple[str, dict[str, Any]]:
         model = make_model()
 
     def actor_fn(actor: rp.ActorContext) -> None:
-        while actor.env_steps < 40 * (actor.actor_id + 1):
+        while actor.counters()["learner_steps"] < 20 * (actor.actor_id + 1):  # the learners train, then it dies
             fast_actor_step(actor)
-        actor.update_weights()  # everything it staged is sent before it dies
+            time.sleep(0.005)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> None:
@@ -388,8 +388,8 @@ def orphaned_job() -> tuple[str, dict[str, Any]]:
 
 def test_when_every_actor_has_died_every_learner_stops_naming_them_after_the_grace(
         run_failing_fast: Callable[..., Any]) -> None:
-    # Two learners, two actors, both killed: before, the learners trained on their old items until the harness's
-    # timeout ended the test (a TimeoutError, not this ReplicaFailure).
+    # Two learners, two actors, both killed while the learners train: before, the learners went on training on their
+    # old items until the harness's timeout ended the test (a TimeoutError, not this ReplicaFailure).
     with pytest.raises(ReplicaFailure) as failure:
         run_failing_fast(orphaned_job, 4, timeout_s=180, collective_timeout_s=15)
     errors = {e.rank: e for e in failure.value.errors}
