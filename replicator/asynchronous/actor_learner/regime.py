@@ -210,9 +210,14 @@ class ActorLearnerRegime(Regime):
         The first learner to see the request fixes the cut a few batches past its own count in the
         store; the learners stay within one batch of each other (the step loop agrees one step
         ahead) and each looks before every draw, so all of them see the cut before reaching it and
-        end at the same step, as when `steps` is reached.
+        end at the same step, as when `steps` is reached. A single learner has nobody to agree with:
+        it reads the request from its service, which looks in the store every 50 ms, and spares
+        its step a store round trip.
         """
         if self.end_at is None:
+            service = self.service
+            if self.roles.learners == 1 and service is not None and not service.end_requested.is_set():
+                return False
             store = exchange.store()
             request = exchange.Keys.end_request(self.runs)
             if not store.check([request]):

@@ -44,6 +44,7 @@ __all__ = ["LearnerService"]
 
 WINDOW_CHUNKS = 4  # an actor may have this many chunks in flight when the limiter leaves room
 GRACE_CAP_S = 30.0  # with every actor dead, learners wait for a restarted one REPLICATOR_TIMEOUT / 3, at most this
+END_POLL_S = 0.05  # how often the insert thread looks for an end_run() request in the store
 KEEPALIVE_S = 1.0  # credits go to every actor at least this often (the run's state, and a sign of life)
 
 
@@ -65,6 +66,8 @@ class LearnerService:
         self.rejoined: list[dict[str, Any]] = []  # actors taken for dead that joined again: when, first insert when
         self.histogram = torch.zeros(exchange.LAG_BINS + 1, dtype=torch.int64)
         self.done = threading.Event()  # the learners finished their steps
+        self.end_requested = threading.Event()  # an actor asked to end the run early (polled every END_POLL_S)
+        self._end_polled = 0.0
         self.abort: str | None = None
         # Every actor stopped since (None: some actor feeds the replay); the learners stop after the grace, which lets
         # a restarted actor take a slot over (rp.join_actor) first.
@@ -211,6 +214,18 @@ class LearnerService:
             if now - checked > KEEPALIVE_S / 2:
                 checked = now
                 self._check(now)
+            if not self.end_requested.is_set() and now - self._end_polled > END_POLL_S:
+                self._end_polled = now
+                self._poll_end_request()
+
+    def _poll_end_request(self) -> None:
+        """Whether an actor asked to end the run (ActorContext.end_run): the main thread reads the event instead of
+        the store before every batch."""
+        try:
+            if exchange.store().check([exchange.Keys.end_request(self.run)]):
+                self.end_requested.set()
+        except RuntimeError:
+            pass  # the store left with its host: the job is ending and the abort path tells
 
     def _handle(self, peer: Peer, frame: Frame) -> None:
         actor = self.actor_of.get(peer)
