@@ -48,7 +48,8 @@ The peers:
 - Weight pulls (`--pulls 85000 10000000`, off by default): learner steps per second, SGD on an
   MLP of that many parameters (batch 64), with 2 actors that add a transition every millisecond
   and pull every 10 env steps, against the same actors not pulling, in turns; the paired ratio,
-  the p95 of the pulls' latency (request to reply) and the learner's weight copies.
+  the p95 of the pulls' latency (request to reply), the learner's weight copies and the CPU of
+  the three processes per learner step (`--pull-repeats N` pairs of arms, default as the replay's).
 """
 
 from __future__ import annotations
