@@ -181,7 +181,7 @@ class ActorLearnerRegime(Regime):
                 variables.step = step
             if self._ending():
                 return
-            gone = service.all_gone()  # without a limiter the learners would otherwise train on the old items forever
+            gone = service.all_gone(deaths_only=True)  # else, without a limiter, they would train on old items forever
             if gone is not None:
                 self._stop(gone)
                 return

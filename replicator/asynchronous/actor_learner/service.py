@@ -126,14 +126,18 @@ class LearnerService:
                     f"{self.timeout_s:g}) although actor(s) {feeders} are alive: is actor_fn stuck?")
         return None
 
-    def all_gone(self) -> str | None:
+    def all_gone(self, deaths_only: bool = False) -> str | None:
         """Why no actor can feed the replay any more (every actor stopped, and none of those that died was replaced
-        within the grace), or None. Cheap: the main thread asks before every batch."""
+        within the grace), or None. `deaths_only`: None as well when no actor died (every actor_fn returned: a
+        learner that samples without waiting for inserts may go on with what it holds). Cheap: the main thread
+        asks before every batch."""
         with self.roster:
             if any(a in self.alive and a not in self.finished for a in range(self.roles.actors)):
                 self.none_since = None
                 return None
             died = any(self.departed.get(a, {}).get("how") == "died" for a in range(self.roles.actors))
+        if deaths_only and not died:
+            return None
         now = time.monotonic()
         if self.none_since is None:
             self.none_since = now
