@@ -101,21 +101,26 @@ def gloo_job() -> tuple[str, dict[str, Any], str | None]:
     def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> None:
         pass
 
-    for _ in repl.run(step_fn, repl.prepare_input(replay), steps=LIMITED_STEPS, actor_fn=actor_fn):
-        pass
+    runs = []
+    for run in (1, 2):  # a second run: its links have tags of their own, away from the first run's idle threads
+        for _ in repl.run(step_fn, repl.prepare_input(replay), steps=run * LIMITED_STEPS, actor_fn=actor_fn):
+            pass
+        runs.append(repl.last_run["actor_learner"])
     del model
-    return repl.role, repl.last_run["actor_learner"], refusal[0] if refusal else None
+    return repl.role, runs, refusal[0] if refusal else None
 
 
 def test_with_the_peer_link_off_actors_and_learners_talk_over_gloo_and_the_limiter_stays_exact() -> None:
-    results = run_replicas(gloo_job, 3, timeout_s=180, env=SHORT)
-    (_, learner, _), (_, first, _), (_, second, refusal) = results
-    assert learner["transport"] == first["transport"] == second["transport"] == "gloo"
+    results = run_replicas(gloo_job, 3, timeout_s=240, env=SHORT)
+    (_, learner_runs, _), (_, first_runs, _), (_, second_runs, refusal) = results
+    for learner, first, second in zip(learner_runs, first_runs, second_runs, strict=True):
+        assert learner["transport"] == first["transport"] == second["transport"] == "gloo"
+        assert learner["learner_steps"] == LIMITED_STEPS and learner["departed"] == {}, learner
+        assert learner["outside_band"] == 0, learner
+        assert first["wait_seconds"] > 0 and second["wait_seconds"] > 0, (first, second)  # credits held them back
+    learner = learner_runs[0]
     assert learner["samples"] == LIMITED_STEPS * LIMITED_BATCH
-    assert learner["outside_band"] == 0, learner
     assert learner["samples_per_insert"] == pytest.approx(RATIO, rel=0.1), learner  # as over sockets
-    assert first["wait_seconds"] > 0 and second["wait_seconds"] > 0, (first, second)  # credits held them back
-    assert learner["departed"] == {}
     assert refusal is not None and "carries its actor–learner links over Gloo" in refusal, refusal
     assert "REPLICATOR_PEER_LINK" in refusal
 
