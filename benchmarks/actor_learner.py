@@ -48,7 +48,8 @@ The peers:
 - Weight pulls (`--pulls 85000 10000000`, off by default): learner steps per second, SGD on an
   MLP of that many parameters (batch 64), with 2 actors that add a transition every millisecond
   and pull every 10 env steps, against the same actors not pulling, in turns; the paired ratio,
-  the p95 of the pulls' latency (request to reply) and the learner's weight copies.
+  the p95 of the pulls' latency (request to reply), the learner's weight copies and the CPU of
+  the three processes per learner step (`--pull-repeats N` pairs of arms, default as the replay's).
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ def parse_args() -> argparse.Namespace:
                         help="model sizes (parameters) of the pulls part, e.g. 85000 10000000: learner steps/s with 2 "
                              "actors pulling every 10 env steps against none (none given: skip it)")
     parser.add_argument("--pull-seconds", type=float, default=8.0, help="seconds of learner steps per pulls arm")
+    parser.add_argument("--pull-repeats", type=int, default=None,
+                        help="repetitions of each pulls arm (default: --replay-repeats, at least 1)")
     add_json_argument(parser, "actor_learner")
     return parser.parse_args()
 
@@ -506,9 +509,11 @@ def pulls_job(parameters: int, pulling: bool, steps: int) -> dict[str, Any]:
         optimizer.step()
         stamps.append(time.perf_counter())
 
+    cpu = time.process_time()
     for _ in repl.run(step_fn, repl.prepare_input(replay), steps=steps, actor_fn=actor_fn,
                       update_period=10 if pulling else 10**9):
         pass
+    figures["cpu_s"] = time.process_time() - cpu  # this process's, every thread's
     if repl.role == "learner":
         skip = min(5, len(stamps) // 4)  # the first steps overlap the actors' start
         figures["steps_per_s"] = (len(stamps) - 1 - skip) / (stamps[-1] - stamps[skip])
@@ -610,13 +615,16 @@ def pulls_part(args: argparse.Namespace) -> dict[str, Any]:
     for parameters in args.pulls:
         steps = pull_steps(parameters, args.pull_seconds)
         rates: dict[bool, list[float]] = {False: [], True: []}
+        cpu_ms: dict[bool, list[float]] = {False: [], True: []}  # per learner step, the 3 processes together
         latencies: list[float] = []
         copies: list[int] = []
-        for _ in range(max(args.replay_repeats, 1)):
+        repeats = args.pull_repeats if args.pull_repeats is not None else max(args.replay_repeats, 1)
+        for _ in range(repeats):
             for pulling in (False, True):
                 learner, *actors = run_replicas(pulls_job, 3, parameters, pulling, steps, timeout_s=600,
                                                 env={"REPLICATOR_PROGRESS": "0"})
                 rates[pulling].append(learner["steps_per_s"])
+                cpu_ms[pulling].append(1e3 * sum(f["cpu_s"] for f in (learner, *actors)) / steps)
                 if pulling:
                     latencies += [x for actor in actors for x in actor["pull_latencies"]]
                     copies.append(learner["weight_copies"])
@@ -624,12 +632,14 @@ def pulls_part(args: argparse.Namespace) -> dict[str, Any]:
         p95 = float(np.percentile(latencies, 95)) if latencies else None
         part[str(parameters)] = {"steps": steps, "steps_per_s_without": rates[False], "steps_per_s_with": rates[True],
                                  "paired_ratio": statistics.median(ratios), "pull_latency_p95_s": p95,
-                                 "pulls": len(latencies), "weight_copies": copies}
+                                 "pulls": len(latencies), "weight_copies": copies,
+                                 "cpu_ms_per_step_without": cpu_ms[False], "cpu_ms_per_step_with": cpu_ms[True]}
         print(f"pulls, {parameters:,} parameters: learner steps/s with 2 actors pulling every 10 env steps / none = "
               f"{statistics.median(ratios):.3f} (per repetition {', '.join(f'{r:.3f}' for r in ratios)}); "
               f"{statistics.median(rates[True]):.1f} against {statistics.median(rates[False]):.1f} steps/s; "
               f"p95 pull latency {p95 * 1e3 if p95 is not None else float('nan'):.2f} ms over {len(latencies)} "
-              f"pulls; weight copies {copies}", flush=True)
+              f"pulls; weight copies {copies}; CPU ms per learner step, 3 processes: "
+              f"{statistics.median(cpu_ms[True]):.2f} against {statistics.median(cpu_ms[False]):.2f}", flush=True)
     return part
 
 

@@ -35,13 +35,15 @@ class GlooInbox:
     transport = "gloo"
 
     def __init__(self, peers: Sequence[Peer], group: dist.ProcessGroup | None, *, place: Placement | None = None,
-                 limits: Limits | None = None, reply_group: dist.ProcessGroup | None = None) -> None:
+                 limits: Limits | None = None, reply_group: dist.ProcessGroup | None = None,
+                 tag: int = TAG) -> None:
         """`group`: where frames arrive (its timeout bounds a peer's silence: best none, the caller judges
-        silence); `reply_group`: where `send` goes (default: `group`)."""
-        self.group, self.limits, self.place = group, limits or Limits(), place
-        self.links = {peer: GlooPeer(peer, group if reply_group is None else reply_group, self.limits)
+        silence); `reply_group`: where `send` goes (default: `group`); `tag`: this inbox's frames, apart from
+        other pairs' between the same ranks."""
+        self.group, self.limits, self.place, self.tag = group, limits or Limits(), place, tag
+        self.links = {peer: GlooPeer(peer, group if reply_group is None else reply_group, self.limits, tag)
                       for peer in peers}
-        self._events: queue.Queue[tuple[Peer, Frame | PeerLinkError]] = queue.Queue()
+        self._events: queue.Queue[tuple[Peer, Frame | PeerLinkError] | None] = queue.Queue()
         self._go_on = {peer: threading.Semaphore(0) for peer in peers}  # the caller is done with its last frame
         self._held: Peer | None = None
         self._closed = False
@@ -59,9 +61,12 @@ class GlooInbox:
             self._go_on[self._held].release()
             self._held = None
         try:
-            peer, event = self._events.get(timeout=timeout_s)
+            item = self._events.get(timeout=timeout_s)
         except queue.Empty:
             return None
+        if item is None:  # wake()
+            return None
+        peer, event = item
         if isinstance(event, PeerLinkError):
             raise event
         self._held = peer
@@ -70,6 +75,10 @@ class GlooInbox:
     def send(self, peer: Peer, kind: int, tensors: Sequence[torch.Tensor] = (), *, request: int = 0,
              flags: int = 0) -> None:
         self.links[peer].send(kind, tensors, request=request, flags=flags)
+
+    def wake(self) -> None:
+        """Make the receive() waiting now (or the next one) return None at once, as PeerServer.wake does."""
+        self._events.put(None)
 
     def close(self) -> None:
         """Stop taking frames (a thread blocked in a receive stays there until its peer leaves or the job ends)."""
@@ -113,6 +122,6 @@ class GlooInbox:
         if not tensor.numel():
             return
         try:
-            dist.recv(tensor, src=peer.rank, group=self.group, tag=TAG)
+            dist.recv(tensor, src=peer.rank, group=self.group, tag=self.tag)
         except RuntimeError as error:
             raise PeerDied(f"{peer} left the Gloo link (it exited or crashed): {error}", peer) from None

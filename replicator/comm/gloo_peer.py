@@ -29,7 +29,7 @@ from replicator.comm.frames import (
     parse_header,
     parse_specs,
 )
-from replicator.comm.peer_link import Landing, Peer, PeerDied, PeerLinkError, check_into
+from replicator.comm.peer_link import IntoFor, Landing, Peer, PeerDied, PeerLinkError, check_into
 
 __all__ = ["GlooPeer", "use_sockets"]
 
@@ -53,8 +53,10 @@ class GlooPeer:
 
     transport = "gloo"
 
-    def __init__(self, peer: Peer, group: dist.ProcessGroup | None = None, limits: Limits | None = None) -> None:
-        self.peer, self.group, self.limits = peer, group, limits or Limits()
+    def __init__(self, peer: Peer, group: dist.ProcessGroup | None = None, limits: Limits | None = None,
+                 tag: int = TAG) -> None:
+        """`tag`: keeps this pair's frames apart from other pairs' between the same two ranks in `group`."""
+        self.peer, self.group, self.limits, self.tag = peer, group, limits or Limits(), tag
         self._header = torch.empty(HEADER.size, dtype=torch.uint8)
         self._landing = Landing()
 
@@ -71,11 +73,12 @@ class GlooPeer:
         parts += [_bytes_of(tensor) for tensor in tensors if tensor.numel()]
         try:
             for part in parts:  # Gloo carries bytes: every dtype goes bit for bit
-                dist.send(part, dst=self.peer.rank, group=self.group, tag=TAG)
+                dist.send(part, dst=self.peer.rank, group=self.group, tag=self.tag)
         except RuntimeError as error:
             raise PeerDied(f"{self.peer} left the Gloo link (it exited or crashed): {error}", self.peer) from None
 
-    def receive(self, into: Sequence[torch.Tensor] | None = None) -> Frame:
+    def receive(self, into: Sequence[torch.Tensor] | IntoFor | None = None) -> Frame:
+        """The next frame, as `PeerConnection.receive` gives it (`into`: tensors, or a function of kind and specs)."""
         try:
             self._recv(self._header)
             header = parse_header(self._header.numpy().tobytes(), self.limits)
@@ -84,6 +87,8 @@ class GlooPeer:
             specs = parse_specs(raw.numpy().tobytes(), header.payload, self.limits)
         except FrameError as error:
             raise PeerLinkError(f"{self.peer} broke the link's protocol: {error}", self.peer) from None
+        if callable(into):
+            into = into(header.kind, specs)
         mismatch = check_into(specs, into, self.peer) if into is not None else None
         tensors = list(into) if into is not None and mismatch is None else self._landing.views(specs)[0]
         for tensor in tensors:
@@ -97,7 +102,7 @@ class GlooPeer:
         if not tensor.numel():
             return
         try:
-            dist.recv(tensor, src=self.peer.rank, group=self.group, tag=TAG)
+            dist.recv(tensor, src=self.peer.rank, group=self.group, tag=self.tag)
         except RuntimeError as error:
             raise PeerDied(f"{self.peer} left the Gloo link (it exited or crashed): {error}", self.peer) from None
 

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -74,6 +75,54 @@ def test_two_fast_actors_never_push_a_commit_or_a_sample_outside_the_limiters_ba
     # The actors ran far ahead of the ratio, so they waited for credit: the back pressure reached them.
     assert first["wait_seconds"] > 0 and second["wait_seconds"] > 0, (first, second)
     assert learner["inserts"] <= first["transitions_sent"] + second["transitions_sent"]
+
+
+# -- REPLICATOR_PEER_LINK=0: the same frames over Gloo point-to-point --------------------------------------------------
+def gloo_job() -> tuple[str, dict[str, Any], str | None]:
+    """limited_job's run where some process turned the peer link off; actor 1 first tries rp.join_actor, which needs
+    sockets. Only rank 2 turns the link off: the job decides together, so every process goes over Gloo."""
+    if os.environ["RANK"] == "2":
+        os.environ["REPLICATOR_PEER_LINK"] = "0"
+    repl = rp.Replicator(mode="actor_learner", actors=2)
+    replay = rp.Replay(capacity=10_000, batch_size=LIMITED_BATCH, samples_per_insert=RATIO, tolerance=0.1,
+                       min_size=100, seed=4)
+    with repl.scope():
+        model = make_model()
+    refusal: list[str] = []
+
+    def actor_fn(actor: rp.ActorContext) -> None:
+        if actor.actor_id == 1:
+            try:
+                rp.join_actor(fast_actor, make_model(), replay, actor=1, timeout_s=30)
+            except rp.ReplicatorUsageError as error:
+                refusal.append(str(error))
+        fast_actor(actor)
+
+    def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> None:
+        pass
+
+    runs = []
+    for run in (1, 2):  # a second run: its links have tags of their own, away from the first run's idle threads
+        for _ in repl.run(step_fn, repl.prepare_input(replay), steps=run * LIMITED_STEPS, actor_fn=actor_fn):
+            pass
+        runs.append(repl.last_run["actor_learner"])
+    del model
+    return repl.role, runs, refusal[0] if refusal else None
+
+
+def test_with_the_peer_link_off_actors_and_learners_talk_over_gloo_and_the_limiter_stays_exact() -> None:
+    results = run_replicas(gloo_job, 3, timeout_s=240, env=SHORT)
+    (_, learner_runs, _), (_, first_runs, _), (_, second_runs, refusal) = results
+    for learner, first, second in zip(learner_runs, first_runs, second_runs, strict=True):
+        assert learner["transport"] == first["transport"] == second["transport"] == "gloo"
+        assert learner["learner_steps"] == LIMITED_STEPS and learner["departed"] == {}, learner
+        assert learner["outside_band"] == 0, learner
+        assert first["wait_seconds"] > 0 and second["wait_seconds"] > 0, (first, second)  # credits held them back
+    learner = learner_runs[0]
+    assert learner["samples"] == LIMITED_STEPS * LIMITED_BATCH
+    assert learner["samples_per_insert"] == pytest.approx(RATIO, rel=0.1), learner  # as over sockets
+    assert refusal is not None and "carries its actor–learner links over Gloo" in refusal, refusal
+    assert "REPLICATOR_PEER_LINK" in refusal
 
 
 # -- add_batch(): a vectorized environment ----------------------------------------------------------------------------
@@ -315,3 +364,45 @@ def test_an_actor_killed_and_restarted_on_its_own_rejoins_and_the_learner_never_
     print(f"death known {rejoined['departed']['at'] - killed:.3f} s after the kill; the restarted actor's first "
           f"insert counted {rejoined['first_insert_at'] - joiner['started']:.3f} s after its interpreter started "
           f"({joiner['seconds']:.1f} s in rp.join_actor)")
+
+
+# -- every actor gone: the learners stop, naming them, once the grace for a restart has passed -----------------------
+
+
+def orphaned_job() -> tuple[str, dict[str, Any]]:
+    repl = rp.Replicator(mode="actor_learner", actors=2)
+    # No limiter: the learners could sample the items they hold forever; they must notice that no actor is left.
+    replay = rp.Replay(capacity=1000, batch_size=8, samples_per_insert=None, min_size=16, seed=6)
+    with repl.scope():
+        model = make_model()
+
+    def actor_fn(actor: rp.ActorContext) -> None:
+        while actor.counters()["learner_steps"] < 20 * (actor.actor_id + 1):  # the learners train, then it dies
+            fast_actor_step(actor)
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> None:
+        time.sleep(0.001)
+
+    for _ in repl.run(step_fn, repl.prepare_input(replay), steps=10**9, actor_fn=actor_fn):
+        pass
+    del model
+    return repl.role, repl.last_run["actor_learner"]
+
+
+def test_when_every_actor_has_died_every_learner_stops_naming_them_after_the_grace(
+        run_failing_fast: Callable[..., Any]) -> None:
+    # Two learners, two actors, both killed while the learners train: before, the learners went on training on their
+    # old items until the harness's timeout ended the test (a TimeoutError, not this ReplicaFailure).
+    with pytest.raises(ReplicaFailure) as failure:
+        run_failing_fast(orphaned_job, 4, timeout_s=180, collective_timeout_s=15)
+    errors = {e.rank: e for e in failure.value.errors}
+    assert errors[2].kind == errors[3].kind == "died", errors
+    for rank in (0, 1):
+        message = errors[rank].message
+        assert errors[rank].kind != "died" and f"learner {rank} (rank {rank}) stops" in message, message
+        assert "every actor has stopped" in message, message
+        for name in ("actor 0 (rank 2) died", "actor 1 (rank 3) died"):
+            assert name in message, message
+        assert "its link closed" in message and "none was restarted within 5 s" in message, message

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from replicator.asynchronous.actor_learner import exchange
+from replicator.asynchronous.actor_learner.carrier import INSERTS, WEIGHTS, Carrier
 from replicator.asynchronous.actor_learner.links import InsertLink, WeightsLink
 from replicator.asynchronous.actor_learner.nstep import NStepAdder
 from replicator.asynchronous.actor_learner.replay import Replay
@@ -49,7 +50,7 @@ class ActorContext:
     """
 
     def __init__(self, roles: Roles, replay: Replay, sink: VariableSink, update_period: int, run: int,
-                 timeout_s: float) -> None:
+                 timeout_s: float, carrier: Carrier | None = None) -> None:
         self.roles, self.replay, self.sink = roles, replay, sink
         self.actor_id, self.num_actors = roles.index, roles.actors
         self.is_evaluator = roles.role == "evaluator"
@@ -72,13 +73,15 @@ class ActorContext:
         self.figures: dict[str, Any] = {"transitions_sent": 0, "pulls": 0, "pull_seconds": 0.0, "wait_seconds": 0.0}
         rank, role = roles.rank, roles.describe()
         self._credit = threading.Condition()
-        self._links = [InsertLink(learner, exchange.Keys.insert_link(run, learner), rank, role, timeout_s,
-                                  self._credit) for learner in range(roles.learners)]
+        carrier = carrier or Carrier(timeout_s=timeout_s)
+        self._links = [InsertLink(learner, carrier.connect(run, learner, INSERTS, rank=rank, role=role), self._credit)
+                       for learner in range(roles.learners)]
         self._columns: list[Columns] = []
         for link in self._links:
             link.connection.send(exchange.JOIN, [torch.tensor([self.actor_id, run, 0], dtype=torch.int64)])
-        self._weights = WeightsLink(exchange.Keys.weights_link(run, self.actor_id % roles.learners), rank, role,
-                                    timeout_s, sink.flats)
+        self._weights = WeightsLink(carrier.connect(run, self.actor_id % roles.learners, WEIGHTS, rank=rank,
+                                                    role=role), sink.flats, timeout_s)
+        self.transport = self._links[0].connection.transport  # unix, tcp or gloo
 
     # -- what actor_fn calls -------------------------------------------------------------------------
     @property

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from replicator.comm.frames import FIRST_USER_KIND
 from replicator.comm.store import job_store
 
-__all__ = ["store", "join_store", "JOIN", "CHUNK", "BYE", "CREDIT", "PULL", "WEIGHTS", "UNCHANGED", "LAYOUT",
+__all__ = ["store", "join_store", "adopt", "JOIN", "CHUNK", "BYE", "CREDIT", "PULL", "WEIGHTS", "UNCHANGED", "LAYOUT",
            "CREDIT_FIXED",
            "Keys", "lag_summary", "LAG_BINS", "post_abort", "read_abort"]
 
@@ -55,6 +55,7 @@ class Keys:
 
     run = prefix + "run"  # the learners' current run() number, for an actor that joins a running job
     shape = prefix + "shape"  # "learners actors evaluator", for the same
+    transport = prefix + "transport"  # "socket" or "gloo" (REPLICATOR_PEER_LINK=0): a joiner needs sockets
 
     @classmethod
     def insert_link(cls, run: int, learner: int) -> str:
@@ -115,14 +116,18 @@ _joined: dist.Store | None = None
 
 
 def join_store(host: str, port: int, timeout_s: float) -> dist.Store:
-    """This process's actor–learner store, reached from outside the job's world: the root store at host:port (the
-    job's MASTER_ADDR and MASTER_PORT), the newest actor–learner job in it."""
-    global _joined
+    """The actor–learner store of a job reached from outside its world: the root store at host:port (the job's
+    MASTER_ADDR and MASTER_PORT), the newest actor–learner job in it. `adopt` it to make it this process's."""
     root = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     root.wait([LATEST], timedelta(seconds=timeout_s))
     ident = root.get(LATEST).decode("ascii")
-    _joined = dist.PrefixStore(f"{Keys.prefix}{ident}/", root)
-    return _joined
+    return dist.PrefixStore(f"{Keys.prefix}{ident}/", root)
+
+
+def adopt(joined: dist.Store) -> None:
+    """From now on `store()` is `joined` (a joining actor's, once it is sure it can join)."""
+    global _joined
+    _joined = joined
 
 
 def post_abort(message: str) -> None:

@@ -45,6 +45,12 @@ def join_actor(actor_fn: Callable[[ActorContext], Any], modules: torch.nn.Module
     timeout_s = _env.timeout_s() if timeout_s is None else timeout_s
     store = exchange.join_store(host, int(port), timeout_s)
     store.wait([exchange.Keys.shape, exchange.Keys.run])
+    if store.check([exchange.Keys.transport]) and store.get(exchange.Keys.transport) == b"gloo":
+        raise ReplicatorUsageError(
+            f"rp.join_actor(address={address!r}): that job carries its actor–learner links over Gloo "
+            "(REPLICATOR_PEER_LINK=0 on some process, or one that could not open a socket), and a Gloo link cannot "
+            "take a process that joins later; run the job with sockets (unset REPLICATOR_PEER_LINK) to add actors")
+    exchange.adopt(store)
     learners, actors, evaluator = (int(x) for x in store.get(exchange.Keys.shape).decode("ascii").split())
     if not 0 <= actor < actors:
         raise ReplicatorUsageError(f"rp.join_actor(actor={actor}): the job at {address} has actors 0 .. {actors - 1}")

@@ -1,9 +1,10 @@
 """Internal: an actor's links to a learner: the insert link (chunks out, credits back) and the weights link.
 
 Each link is one comm.peer_link connection to a server the learner published in the job's
-store. The insert link's credits arrive on a reader thread, so the actor's add() reads two
-integers to know whether it may send; the weights link's replies land on a thread of their own,
-straight into the actor's receive buffers, while the actor steps its environment (Acme's
+store (or, where the job cannot use sockets, the same frames over Gloo: actor_learner.carrier).
+The insert link's credits arrive on a reader thread, so the actor's add() reads two integers to
+know whether it may send; the weights link's replies land on a thread of their own, straight
+into the actor's receive buffers, while the actor steps its environment (Acme's
 VariableClient): the actor loads them at its next update point.
 """
 
@@ -16,8 +17,9 @@ from collections.abc import Sequence
 import torch
 
 from replicator.asynchronous.actor_learner import exchange
+from replicator.asynchronous.actor_learner.carrier import Connection
 from replicator.comm.frames import Frame, TensorSpec
-from replicator.comm.peer_link import PeerLinkError, connect
+from replicator.comm.peer_link import PeerLinkError
 
 __all__ = ["InsertLink", "WeightsLink"]
 
@@ -25,10 +27,9 @@ __all__ = ["InsertLink", "WeightsLink"]
 class InsertLink:
     """The insert link to one learner: what it granted and what this actor sent, and its last word on the run."""
 
-    def __init__(self, learner: int, name: str, rank: int, role: str, timeout_s: float,
-                 changed: threading.Condition) -> None:
+    def __init__(self, learner: int, connection: Connection, changed: threading.Condition) -> None:
         self.learner = learner
-        self.connection = connect(name, rank=rank, role=role, timeout_s=timeout_s, store=exchange.store())
+        self.connection = connection
         self.changed = changed  # shared by an actor's insert links: credit from any of them wakes it
         self.granted = 0  # items this actor may have sent in all
         self.sent = 0
@@ -75,9 +76,9 @@ class InsertLink:
 class WeightsLink:
     """The weights link to one learner: at most one pull in flight, its reply received into `flats` by a thread."""
 
-    def __init__(self, name: str, rank: int, role: str, timeout_s: float, flats: list[torch.Tensor]) -> None:
-        self.connection = connect(name, rank=rank, role=role, timeout_s=timeout_s, store=exchange.store())
-        self.flats = flats
+    def __init__(self, connection: Connection, flats: list[torch.Tensor], timeout_s: float) -> None:
+        self.connection = connection
+        self.flats, self.timeout_s = flats, timeout_s
         self.asked: float | None = None  # when the pull in flight was sent
         self.latencies: list[float] = []  # seconds from each pull's request to its reply
         self._reply: Frame | BaseException | None = None
@@ -99,7 +100,9 @@ class WeightsLink:
         """The reply to the pull in flight, waiting for it if it has not arrived; raises PeerLinkError if the
         learner is gone."""
         assert self.asked is not None, "no pull in flight"
-        self._replied.wait()
+        if not self._replied.wait(2 * self.timeout_s):  # a learner answers within REPLICATOR_TIMEOUT / 4
+            raise PeerLinkError(f"{self.connection.peer} sent no weights for {2 * self.timeout_s:.0f} s "
+                                "(twice REPLICATOR_TIMEOUT): it hangs", self.connection.peer)
         self.asked = None
         reply, self._reply = self._reply, None
         if isinstance(reply, BaseException):

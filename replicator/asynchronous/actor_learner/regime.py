@@ -21,11 +21,13 @@ import torch.distributed as dist
 from replicator import checkpoint
 from replicator.asynchronous.actor_learner import exchange, heartbeats
 from replicator.asynchronous.actor_learner.actor import ActorContext, ActorLearnerError
+from replicator.asynchronous.actor_learner.carrier import Carrier
 from replicator.asynchronous.actor_learner.replay import Replay, ReplaySample
 from replicator.asynchronous.actor_learner.roles import Roles
 from replicator.asynchronous.actor_learner.service import LearnerService
 from replicator.asynchronous.actor_learner.variables import VariableSink, VariableSource
 from replicator.asynchronous.regime import Regime
+from replicator.comm.gloo_peer import use_sockets
 from replicator.comm.peer_link import PeerLinkError
 from replicator.context import InputContext
 from replicator.epochs import InputPosition
@@ -66,6 +68,10 @@ class ActorLearnerRegime(Regime):
         if self.serves:  # from the start, so learners can tell an actor still building its model from a dead one
             self._heartbeat = heartbeats.Heartbeat(roles.index)
             self._heartbeat.start()
+        # Sockets or Gloo, decided by the whole job together (collective: every process makes its regime here).
+        self.carrier = Carrier(roles, use_sockets(self.everyone), job.timeout_s)
+        if roles.rank == 0:  # for rp.join_actor, which needs sockets
+            exchange.store().set(exchange.Keys.transport, self.carrier.transport)
         job.close_with(self)
 
     @property
@@ -109,7 +115,8 @@ class ActorLearnerRegime(Regime):
                                        "repl.prepare_input(replay) to run() on every process, actors included")
         sink = VariableSink(self.models.modules)
         try:
-            actor = ActorContext(self.roles, self.replay, sink, self.update_period, self.runs, self.job.timeout_s)
+            actor = ActorContext(self.roles, self.replay, sink, self.update_period, self.runs, self.job.timeout_s,
+                                 self.carrier)
         except PeerLinkError as error:
             message = exchange.read_abort()
             raise ActorLearnerError(f"{self.roles.describe()} stops: {message}" if message else
@@ -129,6 +136,7 @@ class ActorLearnerRegime(Regime):
             raise
         actor.say_goodbye()
         return {"actor_learner": {"role": self.role, "actor": actor.actor_id, "env_steps": actor.env_steps,
+                                  "transport": actor.transport,
                                   "version": actor.version, "seconds": time.monotonic() - actor.started,
                                   **actor.figures}}
 
@@ -149,7 +157,8 @@ class ActorLearnerRegime(Regime):
             self.variables.publish(self.optimizers.state.step, force=True)  # the actors' first pull takes it at once
         self.stopped, self.sample_wait_s = None, 0.0
         self.drawn, self.end_at, self.ended = 0, None, None
-        self.service = LearnerService(self.roles, self.runs, replay.shard, self.variables, self.job.timeout_s)
+        self.service = LearnerService(self.roles, self.runs, replay.shard, self.variables, self.job.timeout_s,
+                                      self.carrier)
         self.service.start()
         if self.roles.index == 0:
             # For an actor that joins the running job (asynchronous.joining): the shape, then the run to join.
@@ -171,6 +180,10 @@ class ActorLearnerRegime(Regime):
             else:
                 variables.step = step
             if self._ending():
+                return
+            gone = service.all_gone(deaths_only=True)  # else, without a limiter, they would train on old items forever
+            if gone is not None:
+                self._stop(gone)
                 return
             with shard.lock:
                 waited = time.monotonic()
@@ -197,9 +210,14 @@ class ActorLearnerRegime(Regime):
         The first learner to see the request fixes the cut a few batches past its own count in the
         store; the learners stay within one batch of each other (the step loop agrees one step
         ahead) and each looks before every draw, so all of them see the cut before reaching it and
-        end at the same step, as when `steps` is reached.
+        end at the same step, as when `steps` is reached. A single learner has nobody to agree with:
+        it reads the request from its service, which looks in the store every 50 ms, and spares
+        its step a store round trip.
         """
         if self.end_at is None:
+            service = self.service
+            if self.roles.learners == 1 and service is not None and not service.end_requested.is_set():
+                return False
             store = exchange.store()
             request = exchange.Keys.end_request(self.runs)
             if not store.check([request]):
@@ -263,7 +281,7 @@ class ActorLearnerRegime(Regime):
                 "target_samples_per_insert": replay.samples_per_insert,
                 "policy_lag": exchange.lag_summary(sums[3:3 + len(service.histogram)]),
                 "sample_wait_seconds": self.sample_wait_s,
-                "seconds": seconds, "departed": departed, "ended": self.ended}
+                "seconds": seconds, "departed": departed, "ended": self.ended, "transport": self.carrier.transport}
 
     def save(self, path: str | os.PathLike[str], objects: dict[str, Any], step: int, input_state: dict[str, Any],
              extra: dict[str, Any] | None, keep: int | None) -> Path:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from replicator.asynchronous.actor_learner import exchange, heartbeats
+from replicator.asynchronous.actor_learner.carrier import INSERTS, WEIGHTS, Carrier
 from replicator.asynchronous.actor_learner.replay import ReplayShard
 from replicator.asynchronous.actor_learner.roles import Roles, shards_fed_by
 from replicator.asynchronous.actor_learner.staging import chunk_rows
@@ -37,12 +38,13 @@ from replicator.asynchronous.actor_learner.transitions import TransitionSpec
 from replicator.asynchronous.actor_learner.variables import VariableSource
 from replicator.comm.frames import Frame
 from replicator.comm.peer_link import Peer, PeerLinkError
-from replicator.comm.peer_server import PeerServer
 from replicator.timeline import recorder as timeline
 
 __all__ = ["LearnerService"]
 
 WINDOW_CHUNKS = 4  # an actor may have this many chunks in flight when the limiter leaves room
+GRACE_CAP_S = 30.0  # with every actor dead, learners wait for a restarted one REPLICATOR_TIMEOUT / 3, at most this
+END_POLL_S = 0.05  # how often the insert thread looks for an end_run() request in the store
 KEEPALIVE_S = 1.0  # credits go to every actor at least this often (the run's state, and a sign of life)
 
 
@@ -50,7 +52,7 @@ class LearnerService:
     """One learner's side of one run(): start() with the run, finish() after its last step."""
 
     def __init__(self, roles: Roles, run: int, shard: ReplayShard, variables: VariableSource,
-                 timeout_s: float) -> None:
+                 timeout_s: float, carrier: Carrier) -> None:
         self.roles, self.run = roles, run
         self.shard, self.variables, self.timeout_s = shard, variables, timeout_s
         others = roles.others
@@ -64,7 +66,13 @@ class LearnerService:
         self.rejoined: list[dict[str, Any]] = []  # actors taken for dead that joined again: when, first insert when
         self.histogram = torch.zeros(exchange.LAG_BINS + 1, dtype=torch.int64)
         self.done = threading.Event()  # the learners finished their steps
+        self.end_requested = threading.Event()  # an actor asked to end the run early (polled every END_POLL_S)
+        self._end_polled = 0.0
         self.abort: str | None = None
+        # Every actor stopped since (None: some actor feeds the replay); the learners stop after the grace, which lets
+        # a restarted actor take a slot over (rp.join_actor) first.
+        self.none_since: float | None = None
+        self.grace_s = min(GRACE_CAP_S, timeout_s / 3)
         self.error: BaseException | None = None
         # The insert thread's books: each actor's connection, its credits, and the items kept for the limiter.
         self.peers: dict[int, Peer] = {}
@@ -78,10 +86,8 @@ class LearnerService:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         index = roles.index
-        self.inserts = PeerServer(exchange.Keys.insert_link(run, index), rank=roles.rank, role=f"learner {index}",
-                                  timeout_s=timeout_s, store=exchange.store())
-        self.weights = PeerServer(exchange.Keys.weights_link(run, index), rank=roles.rank, role=f"learner {index}",
-                                  timeout_s=timeout_s, store=exchange.store())
+        self.inserts = carrier.serve(run, INSERTS, index, rank=roles.rank, role=f"learner {index}")
+        self.weights = carrier.serve(run, WEIGHTS, index, rank=roles.rank, role=f"learner {index}")
         self.pulls: dict[Peer, tuple[int, float]] = {}  # pulls waiting for a copy: the version held, answer by
         # A pull waits for the copy of the learner's next publish point at most this long (a learner stuck in a
         # step), then takes the newest copy there is.
@@ -110,17 +116,39 @@ class LearnerService:
             return f"its service thread failed: {type(self.error).__name__}: {self.error}"
         if self.abort is not None:
             return self.abort
-        with self.roster:
-            feeders = [a for a in range(self.roles.actors) if a in self.alive and a not in self.finished]
-        if not feeders:
-            gone = ", ".join(f"{self.roles.name(a)} {self._how(a)}" for a in range(self.roles.actors))
-            return (f"every actor has stopped ({gone}), so no experience can reach the replay: see the actors' "
-                    "errors or exit codes (an actor_fn must keep calling actor.add() while actor.running)")
+        gone = self.all_gone()
+        if gone is not None:
+            return gone
         waited = time.monotonic() - self.last_insert
         if waited > self.timeout_s:
+            feeders = [a for a in range(self.roles.actors) if a in self.alive and a not in self.finished]
             return (f"no transition reached its replay shard for {waited:.0f} s (REPLICATOR_TIMEOUT="
                     f"{self.timeout_s:g}) although actor(s) {feeders} are alive: is actor_fn stuck?")
         return None
+
+    def all_gone(self, deaths_only: bool = False) -> str | None:
+        """Why no actor can feed the replay any more (every actor stopped, and none of those that died was replaced
+        within the grace), or None. `deaths_only`: None as well when no actor died (every actor_fn returned: a
+        learner that samples without waiting for inserts may go on with what it holds). Cheap: the main thread
+        asks before every batch."""
+        with self.roster:
+            if any(a in self.alive and a not in self.finished for a in range(self.roles.actors)):
+                self.none_since = None
+                return None
+            died = any(self.departed.get(a, {}).get("how") == "died" for a in range(self.roles.actors))
+        if deaths_only and not died:
+            return None
+        now = time.monotonic()
+        if self.none_since is None:
+            self.none_since = now
+        if died and now - self.none_since < self.grace_s:
+            return None  # a restarted actor may yet take a slot over (rp.join_actor)
+        gone = "; ".join(f"{self.roles.name(a)} {self._how(a)}" for a in range(self.roles.actors))
+        waited = (f" and none was restarted within {self.grace_s:g} s (the grace: REPLICATOR_TIMEOUT / 3, at most "
+                  f"30 s)") if died else ""
+        return (f"every actor has stopped ({gone}){waited}, so no experience can reach the replay: see the actors' "
+                "errors or exit codes (an actor_fn must keep calling actor.add() while actor.running; a restarted "
+                "actor rejoins with rp.join_actor)")
 
     def finish(self) -> None:
         """After the last step: release every actor, wait (at most REPLICATOR_TIMEOUT) for each to say goodbye
@@ -155,9 +183,11 @@ class LearnerService:
         self.weights.close()
 
     def _how(self, actor: int) -> str:
+        """'died 3.2 s into the run (its link closed: ...)', 'finished' or 'running'."""
         if actor in self.departed:
-            return str(self.departed[actor]["how"])
-        return "finished" if actor in self.finished else "running"
+            departed = self.departed[actor]
+            return f"{departed['how']} {departed['seconds']:.1f} s into the run ({departed['why']})"
+        return "finished (its actor_fn returned)" if actor in self.finished else "running"
 
     # -- the insert thread ------------------------------------------------------------------------------
     def _run_inserts(self) -> None:
@@ -188,6 +218,18 @@ class LearnerService:
             if now - checked > KEEPALIVE_S / 2:
                 checked = now
                 self._check(now)
+            if not self.end_requested.is_set() and now - self._end_polled > END_POLL_S:
+                self._end_polled = now
+                self._poll_end_request()
+
+    def _poll_end_request(self) -> None:
+        """Whether an actor asked to end the run (ActorContext.end_run): the main thread reads the event instead of
+        the store before every batch."""
+        try:
+            if exchange.store().check([exchange.Keys.end_request(self.run)]):
+                self.end_requested.set()
+        except RuntimeError:
+            pass  # the store left with its host: the job is ending and the abort path tells
 
     def _handle(self, peer: Peer, frame: Frame) -> None:
         actor = self.actor_of.get(peer)

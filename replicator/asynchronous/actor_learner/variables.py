@@ -53,10 +53,13 @@ class _Layout:
         self.described = [describe(n, t) for n, t in named]
 
     def empty(self) -> list[torch.Tensor]:
-        return [torch.empty(size, dtype=dtype) for size, dtype in zip(self.sizes, self.dtypes, strict=True)]
+        # Zeroed, not empty: the pages are touched here, once, not by the first copy in the middle of training.
+        return [torch.zeros(size, dtype=dtype) for size, dtype in zip(self.sizes, self.dtypes, strict=True)]
 
     def views(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [flats[b][offset:offset + numel] for b, offset, numel in self.places]
+        """Each tensor's place in `flats`, in its own shape (so one foreach copy moves them all)."""
+        return [flats[b][offset:offset + numel].view(tensor.shape)
+                for (b, offset, numel), tensor in zip(self.places, self.tensors, strict=True)]
 
 
 class VariableSource:
@@ -71,6 +74,7 @@ class VariableSource:
         self.copies = 0
         self.on_copy: Callable[[], None] | None = None  # tells the weights thread that a copy is ready
         self._sets: list[list[torch.Tensor] | None] = [None, None]
+        self._views: list[list[torch.Tensor]] = [[], []]  # each set's views, made once
         self._newest = 0
         self._sending: int | None = None
         self._writing: int | None = None
@@ -87,12 +91,15 @@ class VariableSource:
             if self.version < 0:
                 target = self._newest
             self._writing = target
-            flats = self._sets[target]
-            if flats is None:
-                flats = self._sets[target] = self.layout.empty()
+            if self._sets[0] is None:  # both sets at the first publish (before training): no allocation later
+                for index in (0, 1):
+                    flats = self._sets[index] = self.layout.empty()
+                    self._views[index] = self.layout.views(flats)
+            views = self._views[target]
+        # One call for every tensor: one release of the GIL, not one per tensor, each of which a busy service
+        # thread could make the main thread wait to take back.
         with torch.no_grad():
-            for view, tensor in zip(self.layout.views(flats), self.layout.tensors, strict=True):
-                view.copy_(tensor.detach().reshape(-1))
+            torch._foreach_copy_(views, self.layout.tensors)
         with self.changed:
             self._writing, self._newest, self.version, self.wanted = None, target, step, False
             self.copies += 1
@@ -127,8 +134,8 @@ class VariableSink:
     def __init__(self, modules: Iterable[torch.nn.Module]) -> None:
         self.layout = _Layout(module_tensors(modules))
         self.flats = self.layout.empty()
+        self._views = self.layout.views(self.flats)
 
     def load(self) -> None:
         with torch.no_grad():
-            for view, tensor in zip(self.layout.views(self.flats), self.layout.tensors, strict=True):
-                tensor.copy_(view.reshape(tensor.shape))
+            torch._foreach_copy_(self.layout.tensors, self._views)
