@@ -17,7 +17,7 @@ from replicator._env import DEFAULT_TIMEOUT_S
 from replicator.errors import ReplicatorUsageError
 
 __all__ = ["Topology", "Mesh", "ProcessGroups", "discover", "build_process_groups", "group_of_mine",
-           "DEFAULT_TIMEOUT_S", "RegroupedMesh", "build_regrouped"]
+           "WAIT_WITHOUT_LIMIT_S", "DEFAULT_TIMEOUT_S", "RegroupedMesh", "build_regrouped"]
 
 
 @dataclass(frozen=True)
@@ -392,6 +392,11 @@ def build_process_groups(topology: Topology, stages: int = 1, timeout_s: float =
     intra = mine(mesh.node_partition) if mesh.num_nodes > 1 else world
     inter = mine(mesh.cross_node_partition) if mesh.num_nodes > 1 else None
     return ProcessGroups(world, control, replica_control, replica, stage, intra, inter, mesh)
+
+
+# A group timeout for waits that only the other side's departure should end (a Gloo receive that timed out
+# would break its pair for good): a server's or a learner's wait for the next request.
+WAIT_WITHOUT_LIMIT_S = 7 * 24 * 3600.0
 
 
 def group_of_mine(partition: Sequence[Sequence[int]], timeout_s: float, backend: str | None = None

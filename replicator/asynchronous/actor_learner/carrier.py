@@ -16,11 +16,9 @@ never takes a frame of the next.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from replicator.asynchronous.actor_learner import exchange
 from replicator.asynchronous.actor_learner.roles import Roles
@@ -29,6 +27,7 @@ from replicator.comm.gloo_inbox import GlooInbox
 from replicator.comm.gloo_peer import TAG, GlooPeer
 from replicator.comm.peer_link import IntoFor, Peer, connect
 from replicator.comm.peer_server import PeerServer
+from replicator.topology import WAIT_WITHOUT_LIMIT_S, group_of_mine
 
 __all__ = ["Carrier", "Connection", "Server", "INSERTS", "WEIGHTS"]
 
@@ -72,12 +71,12 @@ class Carrier:
         self.transport = "socket" if sockets else "gloo"
         if not sockets:
             assert roles is not None
-            world = list(range(roles.learners + roles.others))
+            world = [list(range(roles.learners + roles.others))]
             learner = roles.role == "learner"
-            never, limit = timedelta(days=7), timedelta(seconds=2 * timeout_s)
+            never, limit = WAIT_WITHOUT_LIMIT_S, 2 * timeout_s
             # Actors to learners (joins, chunks, pulls, goodbyes), then learners to actors (credits, weights).
-            self.upstream = dist.new_group(world, backend="gloo", timeout=never if learner else limit)
-            self.downstream = dist.new_group(world, backend="gloo", timeout=limit if learner else never)
+            self.upstream = group_of_mine(world, never if learner else limit, "gloo")
+            self.downstream = group_of_mine(world, limit if learner else never, "gloo")
 
     @staticmethod
     def tag(run: int, link: int) -> int:

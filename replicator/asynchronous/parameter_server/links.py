@@ -25,15 +25,12 @@ from replicator.comm.gloo_peer import GlooPeer
 from replicator.comm.peer_link import Peer, connect
 from replicator.comm.peer_server import PeerServer, Placement
 from replicator.comm.store import job_store
-from replicator.topology import Mesh, group_of_mine
+from replicator.topology import WAIT_WITHOUT_LIMIT_S, Mesh, group_of_mine
 
 __all__ = ["PULL", "SAVE", "DONE", "PUSH", "REPLY", "VERDICT", "PARAMETERS", "OK", "FAILED", "SAVE_FAILED",
            "Links", "Inbox", "Link", "SavedStates", "Dropped", "push_kind"]
 
 # What a group's leader asks a server (the kind of its frame; the request id carries the group's step).
-# A server waits on its request group without a limit of Gloo's (a receive that timed out would break its pair).
-_A_WEEK_S = 7 * 24 * 3600.0
-
 PULL = FIRST_USER_KIND  # the parameters, now
 SAVE = FIRST_USER_KIND + 1  # checkpoint at this cut: answer once every group is here and it is written
 DONE = FIRST_USER_KIND + 2  # this group has finished: answer with the final parameters once every group has
@@ -99,7 +96,7 @@ class Links:
             # well as a receive (a send waits for the receiver): a server waits on groups without a limit of
             # Gloo's (a receive that timed out would break its pair for good), a leader on a server as above.
             world, serving = [list(range(mesh.world_size))], mesh.serves
-            self.requests = group_of_mine(world, _A_WEEK_S if serving else 2 * timeout_s, "gloo")
+            self.requests = group_of_mine(world, WAIT_WITHOUT_LIMIT_S if serving else 2 * timeout_s, "gloo")
             self.replies = group_of_mine(world, (1 if serving else 2) * timeout_s, "gloo")
             self.within_groups = group_of_mine(world, 3 * timeout_s, "gloo")
 
