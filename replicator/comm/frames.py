@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["HEADER", "MAGIC", "VERSION", "HELLO", "WELCOME", "FIRST_USER_KIND", "Limits", "FrameError", "Header",
-           "TensorSpec", "Frame", "encode", "parse_header", "parse_specs", "byte_view"]
+           "TensorSpec", "Frame", "Outgoing", "encode", "parse_header", "parse_specs", "byte_view"]
 
 HEADER = struct.Struct("<IHHIQIQ")
 MAGIC = 0x4B4C5052  # b"RPLK" read as a little-endian u32
@@ -106,6 +106,25 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(raw).cast("B")
 
 
+class Outgoing(tuple[torch.Tensor, ...]):
+    """Tensors sent frame after frame from the same memory (a server's flat buffers, a reply's header): their
+    descriptors and byte views are made once, so a send only packs the 32-byte header. A tuple, so that
+    it cannot change; the tensors must keep their storage (no `.data =`, `set_` or resize) while it is used."""
+
+    extension: bytes
+    views: list[memoryview]
+    payload: int
+    max_dims: int
+
+    def __new__(cls, tensors: Sequence[torch.Tensor]) -> Outgoing:
+        made = super().__new__(cls, tensors)
+        made.extension = describe(made, Limits())
+        made.views = [view for view in map(byte_view, made) if view.nbytes]
+        made.payload = sum(view.nbytes for view in made.views)
+        made.max_dims = max((tensor.dim() for tensor in made), default=0)
+        return made
+
+
 def encode(kind: int, tensors: Sequence[torch.Tensor], request: int, flags: int, limits: Limits,
            extension: bytes | None = None) -> list[memoryview | bytes]:
     """The buffers of one frame, for a single `sendmsg`: header and extension, then each tensor's bytes in place.
@@ -113,32 +132,60 @@ def encode(kind: int, tensors: Sequence[torch.Tensor], request: int, flags: int,
     `extension` replaces the tensor descriptors (the link's own HELLO and WELCOME frames)."""
     if not 0 <= kind < 1 << 16 or not 0 <= flags < 1 << 32 or not 0 <= request < 1 << 64:
         raise ValueError(f"kind must fit 16 bits, flags 32 and the request id 64, got {kind}, {flags}, {request}")
-    if extension is None:
-        extension = describe(tensors, limits)
-    views = [byte_view(tensor) for tensor in tensors]
-    payload = sum(view.nbytes for view in views)
+    if isinstance(tensors, Outgoing) and extension is None:
+        _check_counts(len(tensors), tensors.max_dims, len(tensors.extension), limits)
+        views: list[memoryview] = tensors.views
+        payload, extension = tensors.payload, tensors.extension
+    else:
+        if extension is None:
+            extension = describe(tensors, limits)
+        views = [view for view in map(byte_view, tensors) if view.nbytes]
+        payload = sum(view.nbytes for view in views)
     if payload > limits.max_payload:
         raise ValueError(f"a frame may carry at most {limits.max_payload} bytes of tensors, these are {payload}")
-    header = HEADER.pack(MAGIC, VERSION, kind, flags, request, len(extension), payload)
-    return [header + extension, *(view for view in views if view.nbytes)]
+    return [HEADER.pack(MAGIC, VERSION, kind, flags, request, len(extension), payload) + extension, *views]
+
+
+# The descriptors of the last few lists of (dtype, shape) sent: a peer sends the same shapes frame after frame.
+_DESCRIBED: dict[tuple[tuple[torch.dtype, torch.Size], ...], tuple[bytes, int]] = {}
 
 
 def describe(tensors: Sequence[torch.Tensor], limits: Limits) -> bytes:
-    if len(tensors) > limits.max_tensors:
-        raise ValueError(f"a frame may carry at most {limits.max_tensors} tensors, got {len(tensors)}")
-    parts = [_COUNT.pack(len(tensors))]
-    for tensor in tensors:
-        code = DTYPE_CODES.get(tensor.dtype)
-        if code is None:
-            raise ValueError(f"the peer link cannot carry {tensor.dtype}; it carries {sorted(map(str, DTYPE_CODES))}")
-        if tensor.dim() > limits.max_dims:
-            raise ValueError(f"a tensor on the peer link has at most {limits.max_dims} dimensions, got {tensor.dim()}")
-        parts.append(_SPEC.pack(code, tensor.dim()))
-        parts.extend(_DIM.pack(size) for size in tensor.shape)
-    extension = b"".join(parts)
-    if len(extension) > limits.max_extension:
-        raise ValueError(f"the tensors' descriptors take {len(extension)} bytes, more than {limits.max_extension}")
+    key = tuple((tensor.dtype, tensor.shape) for tensor in tensors)
+    known = _DESCRIBED.get(key)
+    if known is None:
+        known = _described(key)
+        if len(_DESCRIBED) >= 256:
+            _DESCRIBED.clear()
+        _DESCRIBED[key] = known
+    extension, max_dims = known
+    _check_counts(len(tensors), max_dims, len(extension), limits)
     return extension
+
+
+def _check_counts(count: int, max_dims: int, extension: int, limits: Limits) -> None:
+    if count > limits.max_tensors:
+        raise ValueError(f"a frame may carry at most {limits.max_tensors} tensors, got {count}")
+    if max_dims > limits.max_dims:
+        raise ValueError(f"a tensor on the peer link has at most {limits.max_dims} dimensions, got {max_dims}")
+    if extension > limits.max_extension:
+        raise ValueError(f"the tensors' descriptors take {extension} bytes, more than {limits.max_extension}")
+
+
+def _described(key: tuple[tuple[torch.dtype, torch.Size], ...]) -> tuple[bytes, int]:
+    """The descriptors of tensors of these dtypes and shapes, and their largest number of dimensions."""
+    if len(key) >= 1 << 16:
+        raise ValueError(f"a frame may carry fewer than {1 << 16} tensors, got {len(key)}")
+    parts = [_COUNT.pack(len(key))]
+    for dtype, shape in key:
+        code = DTYPE_CODES.get(dtype)
+        if code is None:
+            raise ValueError(f"the peer link cannot carry {dtype}; it carries {sorted(map(str, DTYPE_CODES))}")
+        if len(shape) > 255:
+            raise ValueError(f"a tensor on the peer link has at most 255 dimensions, got {len(shape)}")
+        parts.append(_SPEC.pack(code, len(shape)))
+        parts.extend(_DIM.pack(size) for size in shape)
+    return b"".join(parts), max((len(shape) for _, shape in key), default=0)
 
 
 def parse_header(raw: bytes | bytearray | memoryview, limits: Limits) -> Header:

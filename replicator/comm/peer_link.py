@@ -268,6 +268,8 @@ class PeerConnection:
         self._broken: PeerLinkError | None = None
         self._sending = threading.Lock()  # frames from several threads go whole, one after another
         self._ahead = ReadAhead()
+        # The last tuple of tensors received into (it cannot change), its specs, and their byte views.
+        self._into: tuple[object, object, list[torch.Tensor], list[memoryview]] = (None, None, [], [])
         tune(sock, timeout_s)
 
     def send(self, kind: int, tensors: Sequence[torch.Tensor] = (), *, request: int = 0, flags: int = 0) -> None:
@@ -288,7 +290,9 @@ class PeerConnection:
         """The next frame. With `into`, its tensors land in those (dtypes and shapes must match what
         was sent); without, in a buffer this connection reuses (views valid until the next receive).
         `into` may also be a function of the frame's kind and tensor specs that returns the tensors to
-        land in, or None for the reused buffer (a reply whose kind says whether it carries weights)."""
+        land in, or None for the reused buffer (a reply whose kind says whether it carries weights). A
+        tuple is checked and viewed once, then reused while frames land in it (its tensors must keep
+        their storage meanwhile)."""
         if self._broken is not None:
             raise self._broken
         try:
@@ -299,9 +303,15 @@ class PeerConnection:
             specs = parse_specs(extension, header.payload, self.limits)
             if callable(into):
                 into = into(header.kind, specs)
-            mismatch = check_into(specs, into, self.peer) if into is not None else None
-            if into is not None and mismatch is None:
+            mismatch = None
+            if into is None:
+                tensors, targets = self._landing.views(specs)
+            elif into is self._into[0] and specs is self._into[1]:  # the same buffers as last time: checked then
+                tensors, targets = self._into[2], self._into[3]
+            elif (mismatch := check_into(specs, into, self.peer)) is None:
                 tensors, targets = list(into), [byte_view(tensor) for tensor in into]
+                if isinstance(into, tuple):  # it cannot change: its checks and byte views hold for the next frame
+                    self._into = (into, specs, tensors, targets)
             else:
                 tensors, targets = self._landing.views(specs)
             for target in targets:
