@@ -97,11 +97,12 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError(f"the peer link moves contiguous CPU tensors, got one on {tensor.device} "
                          f"(contiguous: {tensor.is_contiguous()}); call .contiguous().cpu() first")
-    if tensor.numel() == 0:
+    nbytes = tensor.nbytes
+    if not nbytes:
         return memoryview(b"")
-    # A ctypes array over the tensor's own bytes: a quarter of the cost of going through numpy, for any dtype;
-    # it holds the tensor, so the memory outlives every view of it.
-    raw = (ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
+    # A ctypes array over the tensor's own bytes: cheaper than going through numpy, for any dtype; it holds the
+    # tensor, so the memory outlives every view of it.
+    raw = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
     raw._tensor = tensor  # type: ignore[attr-defined]
     return memoryview(raw).cast("B")
 
