@@ -132,7 +132,7 @@ class ParameterServer:
         silent = [self.last_heard[g] for g in self.active if not self._waited_on(g)]
         return None if not silent else max(0.0, min(silent) + self.timeout_s - time.monotonic())
 
-    def _place(self, peer: Peer, kind: int, specs: Sequence[TensorSpec]) -> list[torch.Tensor] | None:
+    def _place(self, peer: Peer, kind: int, specs: Sequence[TensorSpec]) -> Sequence[torch.Tensor] | None:
         """Where a frame's tensors land: a push's, in its group's buffers for that optimizer (made once)."""
         group, optimizer = self.group_of.get(peer.rank), kind - links.PUSH
         if group is None or not 0 <= optimizer < len(self.books):
