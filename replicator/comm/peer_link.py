@@ -113,6 +113,17 @@ def job_token(store: dist.Store | None = None) -> bytes:
 
 def send_buffers(sock: socket.socket, buffers: list[memoryview | bytes], within_s: float | None) -> None:
     """Send every buffer, in order, with as few `sendmsg` calls as the kernel allows (one when it takes all)."""
+    if len(buffers) <= 512:  # the usual case, in one call: the kernel takes the whole frame
+        try:
+            sent = sock.sendmsg(buffers, [], socket.MSG_NOSIGNAL)
+        except BlockingIOError:
+            if sock.gettimeout() is None:  # a blocking socket: its kernel send timeout (SO_SNDTIMEO) passed
+                raise TimeoutError("the peer took nothing for the timeout") from None
+            sent = 0  # a non-blocking one, full: wait below until it takes more
+        total = sum(memoryview(buffer).nbytes for buffer in buffers)
+        if sent == total:
+            return
+        buffers = _past(buffers, sent)
     views = [memoryview(buffer).cast("B") for buffer in buffers]
     deadline = None if within_s is None else time.monotonic() + within_s
     while views:
@@ -133,6 +144,16 @@ def send_buffers(sock: socket.socket, buffers: list[memoryview | bytes], within_
             views.pop(0)
         if sent:
             views[0] = views[0][sent:]
+
+
+def _past(buffers: list[memoryview | bytes], sent: int) -> list[memoryview | bytes]:
+    """What is left of `buffers` once their first `sent` bytes are gone."""
+    left = [memoryview(buffer).cast("B") for buffer in buffers]
+    while left and sent >= left[0].nbytes:
+        sent -= left.pop(0).nbytes
+    if sent:
+        left[0] = left[0][sent:]
+    return list(left)
 
 
 def tune(sock: socket.socket, timeout_s: float | None) -> None:

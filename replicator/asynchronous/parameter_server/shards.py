@@ -59,6 +59,11 @@ class Shard:
                     self._apart.append((param, view))
         return self.flats
 
+    @property
+    def apart(self) -> bool:
+        """Are some parameters not views of the buffers (on an accelerator), so that a receive must be settled?"""
+        return bool(self._apart)
+
     def gather(self) -> None:
         """Parameters that are not views of the buffers (on an accelerator) into them, before a send."""
         if not self._apart:

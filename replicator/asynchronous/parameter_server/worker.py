@@ -47,6 +47,7 @@ class GroupExchange:
         for row in shards.shards:
             for shard in row:
                 shard.bind()
+        self._apart = any(shard.apart for row in shards.shards for shard in row)  # some parameter is not a view
         self.record = StalenessRecord(max_staleness)
         self.departed: dict[int, str] = {}  # other groups the servers reported gone, and how
         self.step = 0
@@ -127,9 +128,10 @@ class GroupExchange:
             raise ServerError(message or (
                 f"parameter server {server} (rank {self.mesh.serving_ranks[server]}) failed or dropped sync group "
                 f"{self.group_id}; see the error of its leader (rank {self.leader})"))
-        for k in optimizers:  # parameters on an accelerator: from the buffers the bytes landed in
-            for server in range(self.num_servers):
-                self.shards.shard(k, server).settle()
+        if self._apart:  # parameters on an accelerator: from the buffers the bytes landed in
+            for k in optimizers:
+                for server in range(self.num_servers):
+                    self.shards.shard(k, server).settle()
         if kind == links.PUSH:
             self.record.values.extend(verdict[2:])
         waited = time.perf_counter() - started
@@ -256,7 +258,6 @@ def _on_the_wire(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor
     None); the gradient itself when it is one already."""
     if grad is None:
         return torch.zeros(param.shape, dtype=param.dtype)
-    grad = grad.detach()
     if grad.device.type != "cpu" or grad.dtype != param.dtype or not grad.is_contiguous():
-        grad = grad.to("cpu", param.dtype).contiguous()
-    return grad
+        grad = grad.detach().to("cpu", param.dtype).contiguous()
+    return grad  # its bytes are what is sent: no detached alias needed
