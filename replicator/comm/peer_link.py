@@ -113,6 +113,17 @@ def job_token(store: dist.Store | None = None) -> bytes:
 
 def send_buffers(sock: socket.socket, buffers: list[memoryview | bytes], within_s: float | None) -> None:
     """Send every buffer, in order, with as few `sendmsg` calls as the kernel allows (one when it takes all)."""
+    if len(buffers) <= 512:  # the usual case, in one call: the kernel takes the whole frame
+        try:
+            sent = sock.sendmsg(buffers, [], socket.MSG_NOSIGNAL)
+        except BlockingIOError:
+            if sock.gettimeout() is None:  # a blocking socket: its kernel send timeout (SO_SNDTIMEO) passed
+                raise TimeoutError("the peer took nothing for the timeout") from None
+            sent = 0  # a non-blocking one, full: wait below until it takes more
+        total = sum(memoryview(buffer).nbytes for buffer in buffers)
+        if sent == total:
+            return
+        buffers = _past(buffers, sent)
     views = [memoryview(buffer).cast("B") for buffer in buffers]
     deadline = None if within_s is None else time.monotonic() + within_s
     while views:
@@ -133,6 +144,16 @@ def send_buffers(sock: socket.socket, buffers: list[memoryview | bytes], within_
             views.pop(0)
         if sent:
             views[0] = views[0][sent:]
+
+
+def _past(buffers: list[memoryview | bytes], sent: int) -> list[memoryview | bytes]:
+    """What is left of `buffers` once their first `sent` bytes are gone."""
+    left = [memoryview(buffer).cast("B") for buffer in buffers]
+    while left and sent >= left[0].nbytes:
+        sent -= left.pop(0).nbytes
+    if sent:
+        left[0] = left[0][sent:]
+    return list(left)
 
 
 def tune(sock: socket.socket, timeout_s: float | None) -> None:
@@ -268,6 +289,8 @@ class PeerConnection:
         self._broken: PeerLinkError | None = None
         self._sending = threading.Lock()  # frames from several threads go whole, one after another
         self._ahead = ReadAhead()
+        # The last tuple of tensors received into (it cannot change), its specs, and their byte views.
+        self._into: tuple[object, object, list[torch.Tensor], list[memoryview]] = (None, None, [], [])
         tune(sock, timeout_s)
 
     def send(self, kind: int, tensors: Sequence[torch.Tensor] = (), *, request: int = 0, flags: int = 0) -> None:
@@ -288,7 +311,9 @@ class PeerConnection:
         """The next frame. With `into`, its tensors land in those (dtypes and shapes must match what
         was sent); without, in a buffer this connection reuses (views valid until the next receive).
         `into` may also be a function of the frame's kind and tensor specs that returns the tensors to
-        land in, or None for the reused buffer (a reply whose kind says whether it carries weights)."""
+        land in, or None for the reused buffer (a reply whose kind says whether it carries weights). A
+        tuple is checked and viewed once, then reused while frames land in it (its tensors must keep
+        their storage meanwhile)."""
         if self._broken is not None:
             raise self._broken
         try:
@@ -299,9 +324,15 @@ class PeerConnection:
             specs = parse_specs(extension, header.payload, self.limits)
             if callable(into):
                 into = into(header.kind, specs)
-            mismatch = check_into(specs, into, self.peer) if into is not None else None
-            if into is not None and mismatch is None:
+            mismatch = None
+            if into is None:
+                tensors, targets = self._landing.views(specs)
+            elif into is self._into[0] and specs is self._into[1]:  # the same buffers as last time: checked then
+                tensors, targets = self._into[2], self._into[3]
+            elif (mismatch := check_into(specs, into, self.peer)) is None:
                 tensors, targets = list(into), [byte_view(tensor) for tensor in into]
+                if isinstance(into, tuple):  # it cannot change: its checks and byte views hold for the next frame
+                    self._into = (into, specs, tensors, targets)
             else:
                 tensors, targets = self._landing.views(specs)
             for target in targets:

@@ -73,7 +73,8 @@ __all__ = ["PeerServer", "advertised_host"]
 log = logging.getLogger("replicator.comm.peer_link")
 
 # Where a frame's tensors land: the server's own tensors for this peer and kind (the caller's
-# buffers, filled in place), or None for the connection's reused buffer.
+# buffers, filled in place), or None for the connection's reused buffer. A tuple is checked and
+# viewed once, then reused while frames land in it (its tensors must keep their storage meanwhile).
 Placement = Callable[[Peer, int, Sequence[TensorSpec]], Sequence[torch.Tensor] | None]
 
 
@@ -115,6 +116,8 @@ class _Connection:
     ahead: ReadAhead = field(default_factory=ReadAhead)
     paused: bool = False  # a whole frame of it waits for the caller: read no further until it is done
     registered: bool = True  # with the selector (a paused connection leaves it only if it turns up ready)
+    # The last placement that was a tuple (it cannot change), the specs it took, its tensors and their byte views.
+    placed: tuple[object, object, list[torch.Tensor], list[memoryview]] = (None, None, [], [])
 
 
 class PeerServer:
@@ -339,13 +342,18 @@ class PeerServer:
                 raise FrameError(f"a frame of the link's own kind {header.kind} after the handshake")
             specs = parse_specs(connection.extension, header.payload, connection.limits)
             placed = self.place(connection.peer, header.kind, specs) if self.place is not None else None
-            connection.mismatch = check_into(specs, placed, connection.peer) if placed is not None else None
-            if placed is not None and connection.mismatch is None:
+            mismatch = None
+            if placed is not None and placed is connection.placed[0] and specs is connection.placed[1]:
+                connection.tensors, targets = connection.placed[2], connection.placed[3]  # checked last time
+            elif placed is not None and (mismatch := check_into(specs, placed, connection.peer)) is None:
                 connection.tensors = list(placed)
-                targets = [byte_view(tensor) for tensor in placed]
+                targets = [view for view in map(byte_view, placed) if view.nbytes]
+                if isinstance(placed, tuple):  # it cannot change: its checks and byte views hold for the next frame
+                    connection.placed = (placed, specs, connection.tensors, targets)
             else:
                 connection.tensors, targets = connection.landing.views(specs)
-            connection.targets = [view for view in targets if view.nbytes]
+                targets = [view for view in targets if view.nbytes]
+            connection.mismatch, connection.targets = mismatch, list(targets)
             connection.stage = "payload"
         elif connection.targets:
             connection.targets.pop(0)

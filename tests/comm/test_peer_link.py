@@ -534,6 +534,58 @@ def test_a_server_places_frames_in_its_own_tensors_and_drops_one_that_does_not_f
         "[(torch.float32, (5,))]; the frame was read and dropped"]
 
 
+def _fixed_buffers_client(port: int) -> list[bool]:
+    link = connect("solo", rank=1, role="worker", store=_store_at(port), timeout_s=SAFETY_S)
+    into = (torch.empty(5), torch.empty(2, dtype=torch.int64))  # a tuple: checked and viewed once, then reused
+    checks = []
+    for round_ in range(4):
+        if round_ == 3:
+            link.send(ECHO, [torch.arange(3)])  # int64 where the server placed float32: read, logged, dropped
+        sent = [torch.arange(5.0) + 10 * round_, torch.tensor([round_, -round_])]
+        link.send(ECHO, sent)
+        frame = link.receive(into=into)  # the server's reply: the same buffers each time, new values each time
+        checks.append(all(same_bits(a, b) and t is b for a, b, t in zip(sent, into, frame.tensors, strict=True)))
+    link.send(HALT)
+    try:  # a reply of another shape does not land in the tuple; the link stays in step
+        link.receive(into=into)
+        checks.append(False)
+    except ValueError as error:
+        checks.append("expected [(torch.float32, (5,)), (torch.int64, (2,))]" in str(error))
+    link.receive(into=into)
+    checks.append(same_bits(into[0], torch.arange(5.0) + 30) and link.receive().kind == HALT)
+    link.close()
+    return checks
+
+
+def test_buffers_sent_and_received_frame_after_frame_are_checked_once_and_carry_each_frames_values(
+        store: dist.TCPStore, caplog: pytest.LogCaptureFixture) -> None:
+    """A tuple placed or received into and an Outgoing are described, checked and viewed once: what lands and
+    what goes out is still each frame's own values, and a frame that does not fit is still refused."""
+    landing = (torch.full((5,), -1.0), torch.zeros(2, dtype=torch.int64))
+    reply = frames.Outgoing(landing)  # the server answers from the very buffers the requests land in
+    server = PeerServer("solo", rank=0, role="server", store=store, timeout_s=SAFETY_S,
+                        place=lambda peer, kind, specs: landing if kind == ECHO else None)
+    context = multiprocessing.get_context("forkserver")
+    with context.Pool(1) as pool, caplog.at_level(logging.WARNING, logger="replicator.comm.peer_link"):
+        client = pool.apply_async(_fixed_buffers_client, (store.port,))
+        for _ in range(4):
+            received = server.receive(timeout_s=SAFETY_S)
+            assert received is not None
+            peer, frame = received
+            assert frame.kind == ECHO and all(t is b for t, b in zip(frame.tensors, landing, strict=True))
+            server.send(peer, ECHO, reply)
+        received = server.receive(timeout_s=SAFETY_S)
+        assert received is not None and received[1].kind == HALT
+        server.send(peer, ECHO, [torch.arange(4.0)])
+        server.send(peer, ECHO, reply)
+        server.send(peer, HALT)
+        assert client.get(SAFETY_S) == [True] * 6
+    server.close()
+    assert [record.message for record in caplog.records] == [
+        "peer link 'solo': rank 1 (worker) sent tensors [(torch.int64, (3,))], the receiver expected "
+        "[(torch.float32, (5,)), (torch.int64, (2,))]; the frame was read and dropped"]
+
+
 def test_connecting_to_a_name_nobody_published_says_so(store: dist.TCPStore) -> None:
     with pytest.raises(PeerLinkError, match=r"^no server was published as 'nobody' within 0.2 s"):
         connect("nobody", rank=1, role="worker", store=store, timeout_s=0.2)

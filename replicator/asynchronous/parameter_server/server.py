@@ -16,7 +16,7 @@ import torch.distributed as dist
 from replicator.asynchronous.parameter_server import links
 from replicator.asynchronous.parameter_server.shards import Shard, ShardMap
 from replicator.asynchronous.parameter_server.staleness import StalenessRecord
-from replicator.comm.frames import Frame, TensorSpec
+from replicator.comm.frames import Frame, Outgoing, TensorSpec, byte_view
 from replicator.comm.peer_link import Peer, PeerLinkError
 from replicator.identity import broadcast_from_first
 from replicator.timeline import recorder as timeline
@@ -34,22 +34,16 @@ def reply_header_size(num_groups: int) -> int:
     return 3 + num_groups
 
 
-@dataclass
 class _Gradient:
     """One group's pushed gradient for one optimizer's shard, where its frame landed (the group's own buffers)."""
 
-    lrs: torch.Tensor
-    present: torch.Tensor  # uint8 per parameter: 0 where no replica of the group had a gradient
-    views: list[torch.Tensor]  # shaped as the shard's parameters, views of one flat buffer per dtype
-
-    @classmethod
-    def buffers(cls, shard: Shard, optimizer: torch.optim.Optimizer) -> _Gradient:
-        return cls(torch.empty(len(optimizer.param_groups), dtype=torch.float64),
-                   torch.empty(len(shard.params), dtype=torch.uint8), shard.unpack(shard.empty()))
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.lrs, self.present, *self.views]
+    def __init__(self, shard: Shard, optimizer: torch.optim.Optimizer) -> None:
+        self.lrs = torch.empty(len(optimizer.param_groups), dtype=torch.float64)
+        self.present = torch.empty(len(shard.params), dtype=torch.uint8)  # 0: no replica of the group had a gradient
+        self.views = shard.unpack(shard.empty())  # shaped as the shard's parameters, views of one flat buffer per dtype
+        # Where a push lands: a tuple, so the link checks and views it once; the numbers read back without torch.
+        self.tensors = (self.lrs, self.present, *self.views)
+        self.rates, self.has = byte_view(self.lrs).cast("d"), byte_view(self.present)
 
 
 @dataclass
@@ -85,6 +79,9 @@ class ParameterServer:
         self.on_save = on_save  # writes a checkpoint from the workers' states, by rank (every server calls it)
         self.saving: set[int] = set()  # groups waiting at a checkpoint's cut
         self.leaders: dict[int, Peer] = {}  # each group's connection, once it has sent a frame
+        self.codes: dict[int, int] = {}  # how each departed group left, as replies report it
+        # Each set of optimizers' reply: its frame (the header, then the flat buffers) and the header's numbers.
+        self.replies: dict[tuple[int, ...], tuple[Outgoing, memoryview]] = {}
         self.inbox = plan.serve(self.index, self._place)
 
     # -- the loop ----------------------------------------------------------------------------
@@ -135,14 +132,14 @@ class ParameterServer:
         silent = [self.last_heard[g] for g in self.active if not self._waited_on(g)]
         return None if not silent else max(0.0, min(silent) + self.timeout_s - time.monotonic())
 
-    def _place(self, peer: Peer, kind: int, specs: Sequence[TensorSpec]) -> list[torch.Tensor] | None:
+    def _place(self, peer: Peer, kind: int, specs: Sequence[TensorSpec]) -> Sequence[torch.Tensor] | None:
         """Where a frame's tensors land: a push's, in its group's buffers for that optimizer (made once)."""
         group, optimizer = self.group_of.get(peer.rank), kind - links.PUSH
         if group is None or not 0 <= optimizer < len(self.books):
             return None
         book = self.books[optimizer]
         if group not in book.landing:
-            book.landing[group] = _Gradient.buffers(book.shard, book.optimizer)
+            book.landing[group] = _Gradient(book.shard, book.optimizer)
         return book.landing[group].tensors
 
     def _handle(self, peer: Peer, frame: Frame) -> tuple[int, int | None]:
@@ -200,22 +197,22 @@ class ParameterServer:
             # The gradients as they landed: one is applied from its own buffers; several are summed into the
             # first's, in group order, and averaged (the same sums as from zeros: 0 + g is g, bit for bit).
             first = gradients[0]
-            present = first.present
+            present = first.has.tolist()
             if len(gradients) > 1:
-                present = present.bool()
                 for gradient in gradients[1:]:
-                    present |= gradient.present.bool()
+                    present = [a or b for a, b in zip(present, gradient.has.tolist(), strict=True)]
                     for total, view in zip(first.views, gradient.views, strict=True):
                         total += view
                 for total in first.views:
                     total /= len(gradients)
-            for param, total, has in zip(book.shard.params, first.views, present.tolist(), strict=True):
+            params = book.shard.params
+            for param, total, has in zip(params, first.views, present, strict=True):
                 # On the host, the landed gradient itself: no copy.
                 param.grad = (total if total.device == param.device else total.to(param.device)) if has else None
-            for param_group, lr in zip(book.optimizer.param_groups, first.lrs.tolist(), strict=True):
+            for param_group, lr in zip(book.optimizer.param_groups, first.rates.tolist(), strict=True):
                 param_group["lr"] = lr  # the workers' schedulers set the rate, as in synchronous mode
             type(book.optimizer).step(book.optimizer)  # the user's optimizer itself, past the wrapper
-            for param in book.shard.params:
+            for param in params:
                 param.grad = None
         before, book.version = book.version, book.version + 1
         self.record.updates += 1
@@ -252,15 +249,19 @@ class ParameterServer:
     def _reply(self, group: int, staleness: int, optimizers: Any, status: int = links.OK) -> None:
         """One frame to `group`'s leader: the status, the staleness, the version and every group's departure, then
         the flat buffers of `optimizers`' shards (the parameters themselves)."""
-        optimizers = list(optimizers)
-        codes = [self.departed[g]["code"] if g in self.departed else 0 for g in range(len(self.groups))]
-        version = self.books[optimizers[0]].version if optimizers else 0
-        header = torch.tensor([status, staleness, version, *codes], dtype=torch.int64)
-        for k in optimizers:
+        key = tuple(optimizers)
+        if (reply := self.replies.get(key)) is None:  # made once: the header's memory and the flat buffers never move
+            header = torch.zeros(reply_header_size(len(self.groups)), dtype=torch.int64)
+            reply = self.replies[key] = (Outgoing([header, *(flat for k in key for flat in self.books[k].shard.flats)]),
+                                         byte_view(header).cast("q"))
+        frame, numbers = reply
+        numbers[0], numbers[1], numbers[2] = status, staleness, self.books[key[0]].version if key else 0
+        for g, code in self.codes.items():
+            numbers[3 + g] = code
+        for k in key:
             self.books[k].shard.gather()
-        tensors = [header, *(flat for k in optimizers for flat in self.books[k].shard.flats)]
         try:
-            self.inbox.send(self.leaders[group], links.REPLY, tensors, flags=status)
+            self.inbox.send(self.leaders[group], links.REPLY, frame, flags=status)
         except PeerLinkError as error:
             self._depart(group, DIED, f"its leader (rank {self.groups[group][0]}) could not be reached: {error}")
 
@@ -290,6 +291,7 @@ class ParameterServer:
         seconds = time.monotonic() - self.started
         self.departed[group] = {"code": code, "how": "died" if code == DIED else "hung", "step": self.last_step[group],
                                 "seconds": seconds, "ranks": self.groups[group], "why": why}
+        self.codes[group] = code
         self.active.discard(group)
         self.finished.discard(group)
         self.saving.discard(group)

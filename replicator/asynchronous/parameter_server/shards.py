@@ -59,14 +59,23 @@ class Shard:
                     self._apart.append((param, view))
         return self.flats
 
+    @property
+    def apart(self) -> bool:
+        """Are some parameters not views of the buffers (on an accelerator), so that a receive must be settled?"""
+        return bool(self._apart)
+
     def gather(self) -> None:
         """Parameters that are not views of the buffers (on an accelerator) into them, before a send."""
+        if not self._apart:
+            return
         with torch.no_grad():
             for param, view in self._apart:
                 view.copy_(param)
 
     def settle(self) -> None:
         """The buffers into the parameters that are not views of them, after a receive."""
+        if not self._apart:
+            return
         with torch.no_grad():
             for param, view in self._apart:
                 param.copy_(view)

@@ -14,6 +14,7 @@ from replicator.asynchronous.parameter_server.server import DIED, reply_header_s
 from replicator.asynchronous.parameter_server.shards import ShardMap
 from replicator.asynchronous.parameter_server.staleness import StalenessRecord
 from replicator.checkpoint.errors import CheckpointError
+from replicator.comm.frames import Outgoing, byte_view
 from replicator.comm.peer_link import PeerLinkError
 from replicator.errors import ReplicatorError
 from replicator.timeline import recorder as timeline
@@ -46,13 +47,16 @@ class GroupExchange:
         for row in shards.shards:
             for shard in row:
                 shard.bind()
+        self._apart = any(shard.apart for row in shards.shards for shard in row)  # some parameter is not a view
         self.record = StalenessRecord(max_staleness)
         self.departed: dict[int, str] = {}  # other groups the servers reported gone, and how
         self.step = 0
         self.on_wait: Callable[[float], None] = lambda seconds: None  # told each exchange's seconds (step times)
         self._header = torch.empty(reply_header_size(len(mesh.group_partition)), dtype=torch.int64)
-        self._flat_lists: dict[tuple[tuple[int, ...], int | None], list[torch.Tensor]] = {}
-        self._replies: dict[tuple[tuple[int, ...], int], list[torch.Tensor]] = {}  # what each reply lands in
+        self._numbers = byte_view(self._header).cast("q")  # the reply header's numbers, read without torch
+        self._flat_lists: dict[tuple[tuple[int, ...], int | None], Outgoing] = {}
+        # What each reply lands in: a tuple, so that the link checks it and views its bytes once.
+        self._replies: dict[tuple[tuple[int, ...], int], tuple[torch.Tensor, ...]] = {}
         self._pushed: dict[tuple[int, int], tuple[list[float], torch.Tensor, list[bool], torch.Tensor]] = {}
         if self.is_leader:
             self.servers = [plan.to_server(server) for server in range(self.num_servers)]
@@ -95,14 +99,14 @@ class GroupExchange:
         with timeline.span(_SPAN_NAMES[kind], "async", step=self.step, group=self.group_id):
             self._exchange_with_servers(kind, index, list(optimizers))
 
-    def _flats(self, optimizers: list[int], server: int | None = None) -> list[torch.Tensor]:
+    def _flats(self, optimizers: list[int], server: int | None = None) -> Outgoing:
         """The flat buffers of `optimizers`' shards on `server` (None: on every server), in the order frames carry
-        (the same list object each time: the buffers never move)."""
+        (the same object each time: the buffers never move, so their descriptors and bytes are taken once)."""
         key = (tuple(optimizers), server)
         if (flats := self._flat_lists.get(key)) is None:
             servers = range(self.num_servers) if server is None else [server]
-            flats = self._flat_lists[key] = [flat for k in optimizers for s in servers
-                                             for flat in self.shards.shard(k, s).flats]
+            flats = self._flat_lists[key] = Outgoing([flat for k in optimizers for s in servers
+                                                      for flat in self.shards.shard(k, s).flats])
         return flats
 
     def _exchange_with_servers(self, kind: int, index: int | None, optimizers: list[int]) -> None:
@@ -124,9 +128,10 @@ class GroupExchange:
             raise ServerError(message or (
                 f"parameter server {server} (rank {self.mesh.serving_ranks[server]}) failed or dropped sync group "
                 f"{self.group_id}; see the error of its leader (rank {self.leader})"))
-        for k in optimizers:  # parameters on an accelerator: from the buffers the bytes landed in
-            for server in range(self.num_servers):
-                self.shards.shard(k, server).settle()
+        if self._apart:  # parameters on an accelerator: from the buffers the bytes landed in
+            for k in optimizers:
+                for server in range(self.num_servers):
+                    self.shards.shard(k, server).settle()
         if kind == links.PUSH:
             self.record.values.extend(verdict[2:])
         waited = time.perf_counter() - started
@@ -194,12 +199,12 @@ class GroupExchange:
         for server, link in enumerate(self.servers):
             key = (tuple(optimizers), server)
             if (into := self._replies.get(key)) is None:
-                into = self._replies[key] = [header, *self._flats(optimizers, server)]
+                into = self._replies[key] = (header, *self._flats(optimizers, server))
             try:
                 link.receive(into=into)
             except (PeerLinkError, ValueError) as error:  # ValueError: a reply that does not fit: out of step
                 return self._failed(verdict, server, "stopped answering", error)
-            status, staleness, _, *codes = header.tolist()
+            status, staleness, _, *codes = self._numbers.tolist()
             if status == links.SAVE_FAILED:
                 verdict[0] = links.SAVE_FAILED
                 return ""
@@ -253,7 +258,6 @@ def _on_the_wire(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor
     None); the gradient itself when it is one already."""
     if grad is None:
         return torch.zeros(param.shape, dtype=param.dtype)
-    grad = grad.detach()
     if grad.device.type != "cpu" or grad.dtype != param.dtype or not grad.is_contiguous():
-        grad = grad.to("cpu", param.dtype).contiguous()
-    return grad
+        grad = grad.detach().to("cpu", param.dtype).contiguous()
+    return grad  # its bytes are what is sent: no detached alias needed
