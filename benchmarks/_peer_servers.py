@@ -168,6 +168,29 @@ class RayWorker:
         return stamps
 
 
+def tree_cpu_seconds(root: int) -> dict[int, float]:
+    """User and system CPU so far of `root` and every process below it, by pid (/proc: they run on this machine)."""
+    parents, cpu = {}, {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:  # it ended while we looked
+            continue
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    below, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in below]
+        below.update(children)
+        frontier.extend(children)
+    return {pid: cpu[pid] for pid in below if pid in cpu}
+
+
 def ray_missing() -> str | None:
     """Why the Ray pattern cannot run here, or None when it can."""
     try:
@@ -193,9 +216,13 @@ def ray_rates(hidden: int, batch: int, lr: float, seed: int, steps: int) -> dict
         workers = [ray.remote(num_cpus=1)(RayWorker).remote(hidden, batch, seed, shard, steps)
                    for shard in range(WORKERS)]
         ray.get([worker.ready.remote() for worker in workers])  # started and built: both start training together
+        before = tree_cpu_seconds(os.getpid())
         stamps = ray.get([worker.train.remote(server) for worker in workers])
+        after = tree_cpu_seconds(os.getpid())
+        # Every process of the arm: this driver, Ray's daemons (GCS, raylet) and its worker processes.
+        cpu = sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
         updates, moved = ray.get(server.summary.remote(hidden, seed))
-        return {"stamps": stamps, "updates": updates, "moved": moved}
+        return {"stamps": stamps, "updates": updates, "moved": moved, "cpu_s": cpu}
     finally:
         if ray.is_initialized():
             ray.shutdown()

@@ -545,7 +545,7 @@ def run_peers(config: Config) -> tuple[dict[str, Any], list[str], bool]:
             cpu = sum(r["cpu_s"] for r in results)
         else:
             outcome = ray_rates(config.hidden, config.batch, config.lr, config.seed, total)
-            stamps, updates, moved = outcome["stamps"], outcome["updates"], outcome["moved"]
+            stamps, updates, moved, cpu = outcome["stamps"], outcome["updates"], outcome["moved"], outcome["cpu_s"]
         rate = window_rate(stamps, config.peer_warmup)
         rates[name].append(rate)
         if cpu is not None:
