@@ -13,24 +13,23 @@ the kernel orders the writes before it and the reads after it.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
+from replicator import _env
 from replicator.asynchronous.parameter_server.shards import Shard, ShardMap
 from replicator.comm.shared_segment import SegmentError, SharedSegment, shared_memory_writable
 
-__all__ = ["ENV", "Slots", "SharedPayloads", "shared_payloads_wanted", "segment_size", "open_offer"]
+__all__ = ["Slots", "SharedPayloads", "shared_payloads_wanted", "segment_size", "open_offer"]
 
-ENV = "REPLICATOR_PS_SHARED_MEMORY"  # 0: same-node payloads travel on the socket, as across nodes
 _ALIGN = 64
 
 
 def shared_payloads_wanted() -> str | None:
     """None when this process may put payloads in shared memory; else why not."""
-    if os.environ.get(ENV, "1") == "0":
-        return f"{ENV}=0"
+    if not _env.ps_shared_memory():
+        return f"{_env.PS_SHARED_MEMORY}=0"
     return shared_memory_writable()
 
 

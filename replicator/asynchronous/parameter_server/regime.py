@@ -127,8 +127,9 @@ class AsyncRegime(Regime):
         if self.mesh.rank == 0 and exchange.departed:
             print(f"replicator: sync group(s) {exchange.departed} left the run early; see the servers' report",
                   file=sys.stderr, flush=True)
+        carried = exchange.link_bytes() - self._bytes_before
         figures: dict[str, Any] = {"role": "worker", "group": self.mesh.group_id, "transport": exchange.transport,
-                                   "payloads": exchange.payloads, "link_bytes": exchange.link_bytes() - self._bytes_before,
+                                   "payloads": exchange.payloads, "link_bytes": carried,
                                    "departed": dict(exchange.departed), **exchange.record.summary()}
         if self.mesh.rank != 0:  # the main worker reads every group's: the store may leave with it (rank 0 holds
             return {"asynchronous": figures}  # it under a plain multiprocessing start), so no other worker tries
