@@ -185,7 +185,7 @@ def update_job(numel: int, updates: int) -> dict[str, Any]:
     return {"round_trip_s": statistics.median(trips[WARMUP_UPDATES:]) if trips else None,
             "cpu_s": window[2] + window[3] - window[0] - window[1] if len(window) == 4 else None,
             "worker_cpu_s": window[2] - window[0] if len(window) == 4 else None, "updates": updates,
-            "local_cpu_s": local_cpu, "transport": figures.get("transport")}
+            "local_cpu_s": local_cpu, "transport": figures.get("transport"), "payloads": figures.get("payloads")}
 
 
 def run_transport(config: Config) -> tuple[dict[str, Any], list[str], bool]:
@@ -195,7 +195,7 @@ def run_transport(config: Config) -> tuple[dict[str, Any], list[str], bool]:
     for repetition in range(config.transport_repeats):
         for size, numel in SIZES.items():
             worker, _ = run_replicas(update_job, 2, numel, config.transport_updates, timeout_s=300)
-            transports.add(str(worker["transport"]))
+            transports.add(f"{worker['transport']} (payloads: {worker['payloads']})")
             row = rows[size]
             row.setdefault("update", []).append(worker["round_trip_s"])
             row.setdefault("update_cpu", []).append(worker["cpu_s"] / worker["updates"])

@@ -19,6 +19,7 @@ PROGRESS = "REPLICATOR_PROGRESS"  # 0: no progress bar or breakdown table
 PROGRESS_EVERY = "REPLICATOR_PROGRESS_EVERY"  # stdout not a terminal: a progress line every N steps or "Ns"
 LOCAL_LINK = "REPLICATOR_LOCAL_LINK"  # 0: keep every message on the group's backend
 PEER_LINK = "REPLICATOR_PEER_LINK"  # 0: peers exchange frames over Gloo point-to-point, not sockets
+PS_SHARED_MEMORY = "REPLICATOR_PS_SHARED_MEMORY"  # 0: same-node parameter-server payloads stay on the socket
 ATTEMPT = "REPLICATOR_ATTEMPT"  # which restart of the job this is, set by the launcher
 MAX_RESTARTS = "REPLICATOR_MAX_RESTARTS"  # the launcher's --max-restarts, for the job to read
 RUNS = "REPLICATOR_RUNS"  # where run() records its runs (default "runs"); 0 records none
@@ -110,6 +111,11 @@ def local_link() -> bool:
 def peer_link() -> bool:
     """REPLICATOR_PEER_LINK=0 carries the peer link's frames over Gloo instead of sockets."""
     return os.environ.get(PEER_LINK, "1") != "0"
+
+
+def ps_shared_memory() -> bool:
+    """REPLICATOR_PS_SHARED_MEMORY=0 keeps a same-node parameter server's payloads on the socket."""
+    return os.environ.get(PS_SHARED_MEMORY, "1") != "0"
 
 
 def attempt() -> int:

@@ -291,6 +291,7 @@ class PeerConnection:
         self._ahead = ReadAhead()
         # The last tuple of tensors received into (it cannot change), its specs, and their byte views.
         self._into: tuple[object, object, list[torch.Tensor], list[memoryview]] = (None, None, [], [])
+        self.sent_bytes = self.received_bytes = 0  # whole frames, as a report of what the link carried
         tune(sock, timeout_s)
 
     def send(self, kind: int, tensors: Sequence[torch.Tensor] = (), *, request: int = 0, flags: int = 0) -> None:
@@ -301,6 +302,7 @@ class PeerConnection:
         try:
             with self._sending:
                 send_buffers(self.sock, buffers, None)
+                self.sent_bytes += sum(memoryview(buffer).nbytes for buffer in buffers)
         except (BrokenPipeError, ConnectionResetError) as error:
             raise self._fail(PeerDied(f"{self.peer} closed its end of the link (it exited or crashed): {error}",
                                       self.peer)) from None
@@ -339,6 +341,7 @@ class PeerConnection:
                 self._fill(target)
         except FrameError as error:
             raise self._fail(PeerLinkError(f"{self.peer} broke the link's protocol: {error}", self.peer)) from None
+        self.received_bytes += HEADER.size + header.extension + header.payload
         if mismatch is not None:
             raise ValueError(mismatch)  # the frame was read whole: the link is still in step
         return Frame(header.kind, header.flags, header.request, list(tensors))

@@ -27,7 +27,7 @@ from replicator.comm.peer_server import PeerServer, Placement
 from replicator.comm.store import job_store
 from replicator.topology import WAIT_WITHOUT_LIMIT_S, Mesh, group_of_mine
 
-__all__ = ["PULL", "SAVE", "DONE", "PUSH", "REPLY", "VERDICT", "PARAMETERS", "OK", "FAILED", "SAVE_FAILED",
+__all__ = ["PULL", "SAVE", "DONE", "PUSH", "REPLY", "VERDICT", "PARAMETERS", "OFFER", "OK", "FAILED", "SAVE_FAILED",
            "Links", "Inbox", "Link", "SavedStates", "Dropped", "push_kind"]
 
 # What a group's leader asks a server (the kind of its frame; the request id carries the group's step).
@@ -37,6 +37,9 @@ DONE = FIRST_USER_KIND + 2  # this group has finished: answer with the final par
 REPLY = FIRST_USER_KIND + 3  # a server's answer: [status, staleness, version, each group's departure], parameters
 VERDICT = FIRST_USER_KIND + 4  # a leader to its members: [status, server, staleness per server] (+ why, on failure)
 PARAMETERS = FIRST_USER_KIND + 5  # a leader to its members: the shards' flat buffers it received
+# A leader on a server's node: the name of a segment for the payloads (see payloads.py); the server answers with
+# the same kind, flags 1 if it mapped it (then both sides' payloads live there), 0 if it refused.
+OFFER = FIRST_USER_KIND + 6
 PUSH = 64  # + the optimizer's index: apply this gradient, answer with the parameters it produced
 
 OK = 0

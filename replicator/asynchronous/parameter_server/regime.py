@@ -52,6 +52,7 @@ class AsyncRegime(Regime):
         self._runs = 0
         self._server: ParameterServer | None = None
         self._exchange: GroupExchange | None = None
+        self._bytes_before = 0
         everyone = job.groups.everyone
         assert everyone is not None
         # Sockets, or Gloo for every pair when some process cannot use them: the whole job decides, here.
@@ -102,6 +103,7 @@ class AsyncRegime(Regime):
         exchange.on_wait = on_wait
         self.optimizers.update = exchange.push
         self._runs += 1
+        self._bytes_before = exchange.link_bytes()  # this run's bytes on the links to the servers, counted from here
         exchange.pull()
 
     def _exchanging(self) -> GroupExchange:
@@ -125,7 +127,9 @@ class AsyncRegime(Regime):
         if self.mesh.rank == 0 and exchange.departed:
             print(f"replicator: sync group(s) {exchange.departed} left the run early; see the servers' report",
                   file=sys.stderr, flush=True)
+        carried = exchange.link_bytes() - self._bytes_before
         figures: dict[str, Any] = {"role": "worker", "group": self.mesh.group_id, "transport": exchange.transport,
+                                   "payloads": exchange.payloads, "link_bytes": carried,
                                    "departed": dict(exchange.departed), **exchange.record.summary()}
         if self.mesh.rank != 0:  # the main worker reads every group's: the store may leave with it (rank 0 holds
             return {"asynchronous": figures}  # it under a plain multiprocessing start), so no other worker tries

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from replicator.asynchronous.parameter_server import links
+from replicator.asynchronous.parameter_server.payloads import SharedPayloads, open_offer
 from replicator.asynchronous.parameter_server.shards import Shard, ShardMap
 from replicator.asynchronous.parameter_server.staleness import StalenessRecord
 from replicator.comm.frames import Frame, Outgoing, TensorSpec, byte_view
@@ -37,12 +38,14 @@ def reply_header_size(num_groups: int) -> int:
 class _Gradient:
     """One group's pushed gradient for one optimizer's shard, where its frame landed (the group's own buffers)."""
 
-    def __init__(self, shard: Shard, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, shard: Shard, optimizer: torch.optim.Optimizer, shared: list[torch.Tensor] | None) -> None:
         self.lrs = torch.empty(len(optimizer.param_groups), dtype=torch.float64)
         self.present = torch.empty(len(shard.params), dtype=torch.uint8)  # 0: no replica of the group had a gradient
-        self.views = shard.unpack(shard.empty())  # shaped as the shard's parameters, views of one flat buffer per dtype
+        # Shaped as the shard's parameters, views of one flat buffer per dtype: the group's gradient slot in shared
+        # memory (the frame carries only the rates and presence), else buffers of this server's.
+        self.views = shared if shared is not None else shard.unpack(shard.empty())
         # Where a push lands: a tuple, so the link checks and views it once; the numbers read back without torch.
-        self.tensors = (self.lrs, self.present, *self.views)
+        self.tensors = (self.lrs, self.present, *([] if shared is not None else self.views))
         self.rates, self.has = byte_view(self.lrs).cast("d"), byte_view(self.present)
 
 
@@ -81,7 +84,8 @@ class ParameterServer:
         self.leaders: dict[int, Peer] = {}  # each group's connection, once it has sent a frame
         self.codes: dict[int, int] = {}  # how each departed group left, as replies report it
         # Each set of optimizers' reply: its frame (the header, then the flat buffers) and the header's numbers.
-        self.replies: dict[tuple[int, ...], tuple[Outgoing, memoryview]] = {}
+        self.replies: dict[tuple[tuple[int, ...], bool], tuple[Outgoing, memoryview]] = {}
+        self.shared: dict[int, SharedPayloads] = {}  # groups on this node whose payloads travel in shared memory
         self.inbox = plan.serve(self.index, self._place)
 
     # -- the loop ----------------------------------------------------------------------------
@@ -139,7 +143,9 @@ class ParameterServer:
             return None
         book = self.books[optimizer]
         if group not in book.landing:
-            book.landing[group] = _Gradient(book.shard, book.optimizer)
+            shared = self.shared.get(group)
+            book.landing[group] = _Gradient(book.shard, book.optimizer,
+                                            None if shared is None else shared.gradient_views(optimizer, book.shard))
         return book.landing[group].tensors
 
     def _handle(self, peer: Peer, frame: Frame) -> tuple[int, int | None]:
@@ -152,6 +158,9 @@ class ParameterServer:
         self.leaders[group] = peer
         self.last_heard[group], self.last_step[group] = time.monotonic(), frame.request
         optimizer = kind - links.PUSH if kind >= links.PUSH else None
+        if kind == links.OFFER:
+            self._take_offer(peer, group, frame)
+            return kind, group
         if group in self.departed:  # declared hung, yet here: tell it, so it stops with a clear error
             self._reply(group, -1, [optimizer] if optimizer is not None else range(len(self.books)),
                         status=links.FAILED)
@@ -171,6 +180,23 @@ class ParameterServer:
             for book in self.books:
                 book.pulled.pop(group, None)
         return kind, group
+
+    def _take_offer(self, peer: Peer, group: int, frame: Frame) -> None:
+        """A leader on this node offers a segment for its payloads: map it and say so (flags 1), or refuse (0)."""
+        name = frame.tensors[0] if len(frame.tensors) == 1 else None
+        fresh = group not in self.shared and not any(group in book.landing for book in self.books)
+        payloads = None
+        if name is not None and name.dtype == torch.uint8 and name.dim() == 1 and name.numel() <= 128 and fresh:
+            payloads = open_offer(bytes(name.numpy()), self.shards, self.index, peer)
+        else:
+            print(f"replicator: parameter server {self.index}: refused an offer of shared memory from {peer}: not "
+                  "one name, or after its first push", file=sys.stderr, flush=True)
+        if payloads is not None:
+            self.shared[group] = payloads
+        try:
+            self.inbox.send(peer, links.OFFER, flags=int(payloads is not None))
+        except PeerLinkError as error:
+            self._depart(group, DIED, f"its leader (rank {self.groups[group][0]}) could not be reached: {error}")
 
     # -- updates -----------------------------------------------------------------------------
     def _advance(self) -> None:
@@ -249,17 +275,20 @@ class ParameterServer:
     def _reply(self, group: int, staleness: int, optimizers: Any, status: int = links.OK) -> None:
         """One frame to `group`'s leader: the status, the staleness, the version and every group's departure, then
         the flat buffers of `optimizers`' shards (the parameters themselves)."""
-        key = tuple(optimizers)
-        if (reply := self.replies.get(key)) is None:  # made once: the header's memory and the flat buffers never move
-            header = torch.zeros(reply_header_size(len(self.groups)), dtype=torch.int64)
-            reply = self.replies[key] = (Outgoing([header, *(flat for k in key for flat in self.books[k].shard.flats)]),
-                                         byte_view(header).cast("q"))
+        key, shared = tuple(optimizers), self.shared.get(group)
+        if (reply := self.replies.get((key, shared is not None))) is None:  # made once: the header's memory and the
+            header = torch.zeros(reply_header_size(len(self.groups)), dtype=torch.int64)  # flat buffers never move
+            flats = [] if shared is not None else [flat for k in key for flat in self.books[k].shard.flats]
+            reply = self.replies[(key, shared is not None)] = (Outgoing([header, *flats]), byte_view(header).cast("q"))
         frame, numbers = reply
         numbers[0], numbers[1], numbers[2] = status, staleness, self.books[key[0]].version if key else 0
         for g, code in self.codes.items():
             numbers[3 + g] = code
         for k in key:
             self.books[k].shard.gather()
+            if shared is not None:  # the group's leader waits for this reply: nobody reads the slot meanwhile
+                for slot, flat in zip(shared.slots[k].reply, self.books[k].shard.flats, strict=True):
+                    slot.copy_(flat)
         try:
             self.inbox.send(self.leaders[group], links.REPLY, frame, flags=status)
         except PeerLinkError as error:

@@ -59,6 +59,20 @@ class Shard:
                     self._apart.append((param, view))
         return self.flats
 
+    def move(self, flats: Sequence[torch.Tensor]) -> None:
+        """Bound, make `flats` (the same sizes and dtypes) the buffers: they take the values, CPU parameters become
+        views of them (a shared segment's reply slot, where a server's reply lands)."""
+        with torch.no_grad():
+            for new, old in zip(flats, self.flats, strict=True):
+                new.copy_(old)
+            self._apart = []
+            for param, view in zip(self.params, self.unpack(flats), strict=True):
+                if param.device.type == "cpu":
+                    param.data = view
+                else:
+                    self._apart.append((param, view))
+        self.flats = list(flats)
+
     @property
     def apart(self) -> bool:
         """Are some parameters not views of the buffers (on an accelerator), so that a receive must be settled?"""

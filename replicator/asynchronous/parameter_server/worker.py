@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from replicator.asynchronous.parameter_server import links
+from replicator.asynchronous.parameter_server.payloads import SharedPayloads, shared_payloads_wanted
 from replicator.asynchronous.parameter_server.server import DIED, reply_header_size
 from replicator.asynchronous.parameter_server.shards import ShardMap
 from replicator.asynchronous.parameter_server.staleness import StalenessRecord
@@ -58,14 +59,52 @@ class GroupExchange:
         # What each reply lands in: a tuple, so that the link checks it and views its bytes once.
         self._replies: dict[tuple[tuple[int, ...], int], tuple[torch.Tensor, ...]] = {}
         self._pushed: dict[tuple[int, int], tuple[list[float], torch.Tensor, list[bool], torch.Tensor]] = {}
+        self.shared: list[SharedPayloads | None] = []  # per server: the segment its payloads travel in, if any
+        self._slot_views: dict[tuple[int, int], list[torch.Tensor]] = {}
         if self.is_leader:
             self.servers = [plan.to_server(server) for server in range(self.num_servers)]
+            self.shared = [self._offer(server, link) for server, link in enumerate(self.servers)]
             self.members = plan.to_members()
             self.transport = self.servers[0].transport
         else:
             self.servers, self.members = [], []
             self.to_leader = plan.to_leader()
             self.transport = self.to_leader.transport
+
+    def _offer(self, server: int, link: links.Link) -> SharedPayloads | None:
+        """On the server's node (a Unix socket), a segment for the payloads to and from it: made here, offered by
+        name, mapped by the server, unlinked at once. None where it cannot be (the payloads stay on the socket)."""
+        if link.transport != "unix" or shared_payloads_wanted() is not None:
+            return None
+        try:
+            payloads = SharedPayloads.make(self.shards, server)
+        except OSError:
+            return None
+        try:
+            name = torch.frombuffer(bytearray(payloads.segment.name.encode("ascii")), dtype=torch.uint8)
+            link.send(links.OFFER, [name])
+            answer = link.receive()
+        finally:
+            payloads.segment.unlink()  # the server has it mapped (or refused it): no name is left behind
+        if answer.kind != links.OFFER:
+            raise ServerError(f"parameter server {server} answered the offer of shared memory with a frame of kind "
+                              f"{answer.kind}")
+        if not answer.flags:
+            return None
+        for k in range(len(self.shards.optimizers)):  # the parameters become views of the reply slot
+            self.shards.shard(k, server).move(payloads.slots[k].reply)
+        return payloads
+
+    def link_bytes(self) -> int:
+        """Bytes this process sent to and received from the servers (frames whole: headers and payloads)."""
+        return sum(getattr(link, "sent_bytes", 0) + getattr(link, "received_bytes", 0) for link in self.servers)
+
+    @property
+    def payloads(self) -> str:
+        """Where the payloads to the servers travel: "shared memory" (every server on this node), or the links'."""
+        if self.shared and all(self.shared):
+            return "shared memory"
+        return "mixed" if any(self.shared) else self.transport
 
     # -- the three requests ----------------------------------------------------------------------
     def pull(self) -> None:
@@ -198,8 +237,8 @@ class GroupExchange:
         header = self._header
         for server, link in enumerate(self.servers):
             key = (tuple(optimizers), server)
-            if (into := self._replies.get(key)) is None:
-                into = self._replies[key] = (header, *self._flats(optimizers, server))
+            if (into := self._replies.get(key)) is None:  # in shared memory, the header alone: the rest is in place
+                into = self._replies[key] = (header, *([] if self.shared[server] else self._flats(optimizers, server)))
             try:
                 link.receive(into=into)
             except (PeerLinkError, ValueError) as error:  # ValueError: a reply that does not fit: out of step
@@ -227,7 +266,14 @@ class GroupExchange:
         if kept is None or kept[0] != rates or kept[2] != presence:
             kept = self._pushed[(index, server)] = (rates, torch.tensor(rates, dtype=torch.float64), presence,
                                                      torch.tensor(presence, dtype=torch.uint8))
-        return [kept[1], kept[3], *(_on_the_wire(g, p) for g, p in zip(grads, shard.params, strict=True))]
+        if self.shared[server] is None:
+            return [kept[1], kept[3], *(_on_the_wire(g, p) for g, p in zip(grads, shard.params, strict=True))]
+        if (views := self._slot_views.get((index, server))) is None:
+            views = self._slot_views[(index, server)] = self.shared[server].gradient_views(index, shard)  # type: ignore[union-attr]
+        with torch.no_grad():
+            for grad, view in zip(grads, views, strict=True):  # one copy, into the slot the server reads
+                view.zero_() if grad is None else view.copy_(grad)  # zeros: a sum of groups adds them
+        return [kept[1], kept[3]]
 
     def _failed(self, verdict: list[int], server: int, what: str, error: BaseException | None) -> str:
         verdict[0], verdict[1] = links.FAILED, server
