@@ -11,7 +11,7 @@ import stat
 
 import torch
 
-__all__ = ["SharedSegment", "SegmentError", "SHARED_MEMORY_DIR", "shared_memory_writable"]
+__all__ = ["SharedSegment", "SegmentError", "SHARED_MEMORY_DIR", "shared_memory_writable", "reserve_pages"]
 
 SHARED_MEMORY_DIR = "/dev/shm"
 _PREFIX = "replicator-peer-"
@@ -51,7 +51,8 @@ class SharedSegment:
         descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(descriptor, max(size, 1))
-            _reserve(descriptor, size, path)
+            reserve_pages(descriptor, size, path, "parameter-server payloads",
+                          "give it more room or set REPLICATOR_PS_SHARED_MEMORY=0")
             return cls(name, mmap.mmap(descriptor, max(size, 1)))
         except BaseException:
             _remove(path)
@@ -91,11 +92,18 @@ def _remove(path: str) -> None:
         pass
 
 
-def _reserve(descriptor: int, size: int, path: str) -> None:
-    """Take the pages now: a full /dev/shm says so here, not with SIGBUS at the first write."""
+def reserve_pages(descriptor: int, size: int, path: str, holding: str = "a segment",
+                  remedy: str = "give it more room (for a container, e.g. docker run --shm-size=2g)") -> None:
+    """Take a segment's pages now: a full /dev/shm then says so here (an OSError naming what it was to hold and
+    how to fix it), instead of killing the process with SIGBUS at the first write into a page it could not get."""
     try:
         os.posix_fallocate(descriptor, 0, max(size, 1))
     except OSError as error:
         if error.errno != errno.ENOSPC:
             return  # a filesystem that cannot reserve ahead: pages come at first touch
-        raise SegmentError(errno.ENOSPC, f"{os.path.dirname(path)} has no room for {size / 2**20:.1f} MiB") from error
+        free = os.statvfs(os.path.dirname(path))
+        raise SegmentError(
+            errno.ENOSPC,
+            f"{os.path.dirname(path)} has no room for {size / 2**20:.1f} MiB of {holding} "
+            f"({free.f_bavail * free.f_frsize / 2**20:.1f} MiB free); {remedy}",
+        ) from error

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import secrets
@@ -15,13 +14,13 @@ import torch.distributed as dist
 from replicator.comm.agreement import PendingAgreement
 from replicator.comm.decision import everyone_agrees
 from replicator.comm.local_link import LocalLink
+from replicator.comm.shared_segment import SHARED_MEMORY_DIR, reserve_pages
 from replicator.errors import ReplicaMismatchError
 from replicator.sync.reducers.hierarchical import DEFAULT_CHUNK_BYTES, level_groups, replicas_per_node
 from replicator.topology import ProcessGroups, group_of_mine
 
 __all__ = ["SharedMemorySum", "shared_memory_usable", "host_memory_usable", "sum_in_ring_order", "SHARED_MEMORY_DIR"]
 
-SHARED_MEMORY_DIR = "/dev/shm"
 
 
 def host_memory_usable(device: torch.device) -> str | None:
@@ -62,23 +61,6 @@ def sum_in_ring_order(parts: torch.Tensor, owner: int, out: torch.Tensor) -> Non
         out.add_(parts[(owner - step) % replicas])
 
 
-def _reserve(descriptor: int, size: int, path: str) -> None:
-    """Take the segment's pages now: a full /dev/shm then says so here, instead of killing the
-    process with SIGBUS at the first write into a page it could not get."""
-    try:
-        os.posix_fallocate(descriptor, 0, size)
-    except OSError as error:
-        if error.errno != errno.ENOSPC:
-            return  # a filesystem that cannot reserve ahead: pages come at first touch, as before
-        free = os.statvfs(os.path.dirname(path))
-        raise OSError(
-            errno.ENOSPC,
-            f"{os.path.dirname(path)} has no room for {size / 2**20:.1f} MiB of gradient buckets "
-            f"({free.f_bavail * free.f_frsize / 2**20:.1f} MiB free); give it more (for a container, "
-            "e.g. docker run --shm-size=2g) or use reducer='flat'",
-        ) from error
-
-
 class _Segment:
     """One mapping shared by the node's replicas: `replicas` rows of `numel` elements, row i replica i's tensor."""
 
@@ -94,7 +76,8 @@ class _Segment:
                 raise PermissionError(
                     f"{path} is not a private file of this user; refusing to share gradients through it")
             os.ftruncate(descriptor, size)  # every replica asks for the same size: idempotent
-            _reserve(descriptor, size, path)
+            reserve_pages(descriptor, size, path, "gradient buckets",
+                          "give it more (for a container, e.g. docker run --shm-size=2g) or use reducer='flat'")
             self._mapping = mmap.mmap(descriptor, size)
         finally:
             os.close(descriptor)
