@@ -41,6 +41,12 @@ def flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
     return leaves, spec
 
 
+def _single_value(tree: Any) -> bool:
+    """`tree` is None or a plain number or string: a batch of indices, an output of None, walked every step
+    without pytree (to_device alone cost ~25 µs a step on them)."""
+    return tree is None or type(tree) in (int, float, bool, complex, str, bytes)
+
+
 def _flat_tensors(tree: Any) -> bool:
     """`tree` is a plain tuple or list of tensors: the usual batch, which the step loop walks every step without
     pytree (its tree_map_only alone cost tens of µs a step)."""
@@ -51,6 +57,8 @@ def tensors(tree: Any) -> list[torch.Tensor]:
     """Every tensor in `tree`, depth first, in order."""
     if isinstance(tree, torch.Tensor):
         return [tree]
+    if _single_value(tree):
+        return []
     if _flat_tensors(tree):
         return list(tree)
     return [leaf for leaf in flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
@@ -66,6 +74,9 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
 
 def leaves_with_paths(tree: Any, root: str) -> Iterator[tuple[str, Any]]:
     """Each leaf with where it sits, written as `root['key'][0]`, for error messages."""
+    if _single_value(tree):  # pytree's answer (one leaf, at the root) without the walk
+        yield root, tree
+        return
     for path, leaf in pytree.tree_flatten_with_path(plain(tree))[0]:
         yield root + pytree.keystr(path), leaf
 
@@ -95,6 +106,8 @@ def to_device(tree: Any, device: torch.device) -> Any:
     """Every tensor in `tree` on `device` (copied without blocking the host); the rest unchanged."""
     if isinstance(tree, torch.Tensor):
         return tree if tree.device == device else tree.to(device, non_blocking=True)
+    if _single_value(tree):
+        return tree
     if _flat_tensors(tree) and all(leaf.device == device for leaf in tree):
         return type(tree)(tree)  # a new container, as the general path gives
     return map_tensors(lambda t: t if t.device == device else t.to(device, non_blocking=True), tree)
