@@ -742,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: one short repetition of each part (its figures are not the claims')")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="repetitions of the straggler and peers parts (default 3 and 5)")
+                        help="repetitions of the transport, straggler and peers parts (default 3, 3 and 5)")
     parser.add_argument("--hidden", type=int, default=Config.hidden,
                         help="the MLP's width (8 makes messages tiny: the exchanges' fixed costs show)")
     parser.add_argument("--snapshot-s", type=float, default=Config.snapshot_s,
@@ -754,7 +754,8 @@ def main(argv: list[str] | None = None) -> int:
     if options.repeats is not None:
         if options.repeats < 1:
             parser.error("--repeats must be at least 1")
-        config = replace(config, straggler_repeats=options.repeats, peer_repeats=options.repeats)
+        config = replace(config, transport_repeats=options.repeats, straggler_repeats=options.repeats,
+                         peer_repeats=options.repeats)
     parts = PARTS if options.part == "all" else (options.part,)
     header = machine()
     parameters = sum(p.numel() for p in make_model(config.hidden, config.seed).parameters())
