@@ -27,7 +27,8 @@ __all__ = ["ParameterServer", "DIED", "HUNG", "reply_header_size"]
 
 DIED, HUNG = 1, 2  # how a departed group left, as the replies report it
 # Each request as the timeline names the server's span of handling it.
-_SPAN_NAMES: dict[int, str] = {links.PULL: "serve pull", links.SAVE: "serve save", links.DONE: "serve finish"}
+_SPAN_NAMES: dict[int, str] = {links.PULL: "serve pull", links.SAVE: "serve save", links.DONE: "serve finish",
+                               links.OFFER: "open shared payloads"}
 
 
 def reply_header_size(num_groups: int) -> int:
