@@ -8,6 +8,7 @@ import functools
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -97,7 +98,7 @@ class Job:
             one_role = mesh.stages == 1 and mesh.serving == 0 and mesh.world_size == mesh.num_replicas
             names = [f"{'replica' if one_role else 'rank'} {rank}" for rank in range(topology.world_size)]
             job.close_with(Heartbeat(topology.rank, names, heartbeat_s, timeout_s).start())
-        _open_jobs.append(job)
+        _open_jobs.add(job)
         if owns_process_group:
             atexit.register(job.close)
             _leave_on_uncaught_errors()
@@ -172,8 +173,7 @@ class Job:
                     self.barrier()
             dist.destroy_process_group()
             self.owns_process_group = False
-        if self in _open_jobs:
-            _open_jobs.remove(self)
+        _open_jobs.discard(self)
 
 
 def _close_within(close: Callable[[], None], seconds: float) -> None:
@@ -188,8 +188,8 @@ def _close_within(close: Callable[[], None], seconds: float) -> None:
     thread.join(seconds)
 
 
-# The jobs started in this process and not yet closed, oldest first.
-_open_jobs: list[Job] = []
+# The jobs started in this process and not yet closed (weakly: a job nobody holds is not kept alive for this).
+_open_jobs: weakref.WeakSet[Job] = weakref.WeakSet()
 _leaves_on_uncaught_errors = False
 
 
@@ -203,7 +203,7 @@ def leave_after_failure() -> None:
     `replicator launch`'s worker, by `replicator.testing.run_replicas`, and (plain torchrun, Slurm)
     after Python reports an uncaught error. Never raises: the error that ended the process is what matters.
     """
-    for job in reversed(_open_jobs):
+    for job in list(_open_jobs):
         job.failing = True
         with contextlib.suppress(Exception):
             job.close()
