@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import statistics
 import threading
 import time
 import warnings
@@ -191,6 +192,50 @@ def tree_cpu_seconds(root: int) -> dict[int, float]:
     return {pid: cpu[pid] for pid in below if pid in cpu}
 
 
+class RayEcho:
+    """A Ray actor's class that returns what it is sent: a round trip through Ray with no work in it."""
+
+    def echo(self, payload: Any) -> Any:
+        return payload
+
+
+class RayEchoes:
+    """Ray started once (1 CPU) with one echo actor, for the transport part's Ray arm; close() stops Ray."""
+
+    def __init__(self) -> None:
+        import ray
+
+        self._saved_path = _put_benchmarks_on_path()
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                 object_store_memory=256 << 20)
+        self.actor = ray.remote(num_cpus=1)(RayEcho).remote()
+
+    def round_trips(self, numel: int, count: int) -> tuple[float, float]:
+        """Median seconds of `count` echoes of `numel` float32 (a NumPy array, as Ray users send them) after 20 of
+        warm-up, and CPU seconds per echo over every process of the arm (this driver and all of Ray's)."""
+        import numpy as np
+        import ray
+
+        payload = np.zeros(numel, dtype=np.float32)
+        for _ in range(20):
+            ray.get(self.actor.echo.remote(payload))
+        before = tree_cpu_seconds(os.getpid())
+        times = []
+        for _ in range(count):
+            started = time.perf_counter()
+            ray.get(self.actor.echo.remote(payload))
+            times.append(time.perf_counter() - started)
+        after = tree_cpu_seconds(os.getpid())
+        cpu = sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
+        return statistics.median(times), cpu / count
+
+    def close(self) -> None:
+        import ray
+
+        ray.shutdown()
+        _restore_path(self._saved_path)
+
+
 def ray_missing() -> str | None:
     """Why the Ray pattern cannot run here, or None when it can."""
     try:
@@ -205,10 +250,7 @@ def ray_rates(hidden: int, batch: int, lr: float, seed: int, steps: int) -> dict
     """Start Ray (1 CPU each for the server and the 2 workers), train, stop Ray: the workers' stamps and checks."""
     import ray
 
-    here = Path(__file__).resolve().parent
-    saved = os.environ.get("PYTHONPATH")
-    # Ray's worker processes import this module and replicator by name, as the driver does.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(here), str(here.parent), saved]))
+    saved = _put_benchmarks_on_path()
     try:
         ray.init(num_cpus=WORKERS + 1, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
                  object_store_memory=256 << 20)
@@ -226,7 +268,19 @@ def ray_rates(hidden: int, batch: int, lr: float, seed: int, steps: int) -> dict
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+        _restore_path(saved)
+
+
+def _put_benchmarks_on_path() -> str | None:
+    """Let Ray's worker processes import this module and replicator by name, as the driver does; the old value."""
+    here = Path(__file__).resolve().parent
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(here), str(here.parent), saved]))
+    return saved
+
+
+def _restore_path(saved: str | None) -> None:
+    if saved is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = saved

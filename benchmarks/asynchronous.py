@@ -68,7 +68,7 @@ from _harness import (
     paired_ratio,
     write_json,
 )
-from _peer_servers import ray_missing, ray_rates, rpc_rate_job
+from _peer_servers import RayEchoes, ray_missing, ray_rates, rpc_rate_job
 from peer_link import SIZES
 from peer_link import _measure as link_round_trips
 
@@ -118,6 +118,7 @@ QUICK = Config(transport_repeats=1, transport_updates=100, straggler_repeats=1, 
 # -- transport -----------------------------------------------------------------------------------
 
 WARMUP_UPDATES = 20
+RAY_ECHO = "ray actor echo"
 
 
 class _Vector(torch.nn.Module):
@@ -192,6 +193,12 @@ def run_transport(config: Config) -> tuple[dict[str, Any], list[str], bool]:
     """Update round trips through mode="async" against the raw round trips of benchmarks/peer_link.py."""
     rows: dict[str, dict[str, list[float]]] = {size: {} for size in SIZES}
     transports: set[str] = set()
+    _transport_repetitions(config, rows, transports)
+    return _transport_table(config, rows, transports)
+
+
+def _transport_repetitions(config: Config, rows: dict[str, dict[str, list[float]]], transports: set[str]) -> None:
+    """Each repetition: mode='async' updates, then the raw echoes, then (with Ray) Ray's echo, of every size."""
     for repetition in range(config.transport_repeats):
         for size, numel in SIZES.items():
             worker, _ = run_replicas(update_job, 2, numel, config.transport_updates, timeout_s=300)
@@ -207,9 +214,23 @@ def run_transport(config: Config) -> tuple[dict[str, Any], list[str], bool]:
             for arm, values in raw["walls"][size].items():
                 rows[size].setdefault(arm, []).extend(values)
                 rows[size].setdefault(f"{arm} cpu", []).extend(raw["cpus"][size][arm])
+        if not ray_missing():
+            # Started and stopped around its own arm: Ray's idle daemons take CPU the other arms would lose.
+            ray_echoes = RayEchoes()
+            try:
+                for size, numel in SIZES.items():
+                    wall, cpu = ray_echoes.round_trips(numel, max(50, config.transport_updates // 4))
+                    rows[size].setdefault(RAY_ECHO, []).append(wall)
+                    rows[size].setdefault(f"{RAY_ECHO} cpu", []).append(cpu)
+            finally:
+                ray_echoes.close()
         print(f"  transport, repetition {repetition + 1}: " + ", ".join(
             f"{size}: update {1e6 * rows[size]['update'][-1]:.0f} µs, "
             f"rpc_sync {1e6 * rows[size]['rpc_sync echo'][-1]:.0f} µs" for size in SIZES), flush=True)
+
+
+def _transport_table(config: Config, rows: dict[str, dict[str, list[float]]], transports: set[str]
+                     ) -> tuple[dict[str, Any], list[str], bool]:
     lines = [f"\nTransport: round trips on one node, 2 processes, {config.transport_repeats} repetition(s); "
              f"carrier of mode='async': {', '.join(sorted(transports))}", "",
              "| size | contender | round trip µs (median) | vs rpc_sync echo (paired) | CPU µs, both processes |",
@@ -220,7 +241,10 @@ def run_transport(config: Config) -> tuple[dict[str, Any], list[str], bool]:
         rpc = row["rpc_sync echo"]
         for arm, label in (("update", "mode='async' update (push, SGD step, reply in place)"),
                            ("peer link (unix)", "peer link (unix), echo"), ("peer link (tcp)", "peer link (tcp), echo"),
-                           ("gloo send/recv", "one Gloo message each way"), ("rpc_sync echo", "rpc_sync echo")):
+                           ("gloo send/recv", "one Gloo message each way"), ("rpc_sync echo", "rpc_sync echo"),
+                           (RAY_ECHO, "Ray actor echo (NumPy array; CPU of every Ray process)")):
+            if arm not in row:
+                continue
             cpu = row["update_cpu"] if arm == "update" else row[f"{arm} cpu"]
             lines.append(f"| {size} | {label} | {_spread([1e6 * v for v in row[arm]], '{:.0f}')} "
                          f"| {_ratio(_paired_optional(row[arm], rpc))} | {_spread([1e6 * v for v in cpu], '{:.0f}')} |")
