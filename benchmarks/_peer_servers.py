@@ -169,27 +169,33 @@ class RayWorker:
         return stamps
 
 
+def process_stat(pid: int) -> tuple[int, float]:
+    """A process's parent and the user and system CPU seconds of all its threads so far (/proc: this machine)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # ppid; utime + stime
+
+
 def tree_cpu_seconds(root: int) -> dict[int, float]:
-    """User and system CPU so far of `root` and every process below it, by pid (/proc: they run on this machine)."""
-    parents, cpu = {}, {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    """CPU seconds so far of `root` and every process below it, by pid."""
+    stats = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
+            stats[int(entry)] = process_stat(int(entry))
         except OSError:  # it ended while we looked
             continue
-        parents[int(entry)] = int(fields[1])
-        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     below, frontier = {root}, [root]
     while frontier:
         parent = frontier.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in below]
+        children = [pid for pid, (ppid, _) in stats.items() if ppid == parent and pid not in below]
         below.update(children)
         frontier.extend(children)
-    return {pid: cpu[pid] for pid in below if pid in cpu}
+    return {pid: stats[pid][1] for pid in below if pid in stats}
+
+
+def tree_cpu_since(root: int, before: dict[int, float]) -> float:
+    """CPU seconds `root` and every process below it spent since `before` (tree_cpu_seconds), new ones included."""
+    return sum(seconds - before.get(pid, 0.0) for pid, seconds in tree_cpu_seconds(root).items())
 
 
 class RayEcho:
@@ -225,8 +231,7 @@ class RayEchoes:
             started = time.perf_counter()
             ray.get(self.actor.echo.remote(payload))
             times.append(time.perf_counter() - started)
-        after = tree_cpu_seconds(os.getpid())
-        cpu = sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
+        cpu = tree_cpu_since(os.getpid(), before)
         return statistics.median(times), cpu / count
 
     def close(self) -> None:
@@ -260,9 +265,8 @@ def ray_rates(hidden: int, batch: int, lr: float, seed: int, steps: int) -> dict
         ray.get([worker.ready.remote() for worker in workers])  # started and built: both start training together
         before = tree_cpu_seconds(os.getpid())
         stamps = ray.get([worker.train.remote(server) for worker in workers])
-        after = tree_cpu_seconds(os.getpid())
         # Every process of the arm: this driver, Ray's daemons (GCS, raylet) and its worker processes.
-        cpu = sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
+        cpu = tree_cpu_since(os.getpid(), before)
         updates, moved = ray.get(server.summary.remote(hidden, seed))
         return {"stamps": stamps, "updates": updates, "moved": moved, "cpu_s": cpu}
     finally:

@@ -68,7 +68,7 @@ from _harness import (
     paired_ratio,
     write_json,
 )
-from _peer_servers import RayEchoes, ray_missing, ray_rates, rpc_rate_job
+from _peer_servers import RayEchoes, process_stat, ray_missing, ray_rates, rpc_rate_job
 from peer_link import SIZES
 from peer_link import _measure as link_round_trips
 
@@ -131,12 +131,7 @@ class _Vector(torch.nn.Module):
 
 def cpu_seconds(pids: Sequence[int]) -> float:
     """User and system CPU of every thread of these processes so far (/proc: they run on this machine)."""
-    ticks = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return sum(process_stat(pid)[1] for pid in pids)
 
 
 def update_job(numel: int, updates: int) -> dict[str, Any]:
