@@ -14,7 +14,7 @@ import torch.distributed as dist
 from replicator.comm.agreement import PendingAgreement
 from replicator.comm.decision import everyone_agrees
 from replicator.comm.local_link import LocalLink
-from replicator.comm.shared_segment import SHARED_MEMORY_DIR, reserve_pages
+from replicator.comm.shared_segment import SHARED_MEMORY_DIR, reserve_pages, shared_memory_writable
 from replicator.errors import ReplicaMismatchError
 from replicator.sync.reducers.hierarchical import DEFAULT_CHUNK_BYTES, level_groups, replicas_per_node
 from replicator.topology import ProcessGroups, group_of_mine
@@ -27,9 +27,7 @@ def host_memory_usable(device: torch.device) -> str | None:
     """None when this process can share gradients through /dev/shm; else the reason it cannot."""
     if device.type != "cpu":
         return f"gradients live on {device}, not in host memory"
-    if not os.path.isdir(SHARED_MEMORY_DIR) or not os.access(SHARED_MEMORY_DIR, os.W_OK):
-        return f"{SHARED_MEMORY_DIR} is missing or not writable"
-    return None
+    return shared_memory_writable()
 
 
 def shared_memory_usable(groups: ProcessGroups, device: torch.device) -> str | None:
