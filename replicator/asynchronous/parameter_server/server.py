@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from replicator.asynchronous.parameter_server import links
+from replicator.asynchronous.parameter_server import links, stepping
 from replicator.asynchronous.parameter_server.payloads import SharedPayloads, open_offer
 from replicator.asynchronous.parameter_server.shards import Shard, ShardMap
 from replicator.asynchronous.parameter_server.staleness import StalenessRecord
@@ -238,7 +238,7 @@ class ParameterServer:
                 param.grad = (total if total.device == param.device else total.to(param.device)) if has else None
             for param_group, lr in zip(book.optimizer.param_groups, first.rates.tolist(), strict=True):
                 param_group["lr"] = lr  # the workers' schedulers set the rate, as in synchronous mode
-            type(book.optimizer).step(book.optimizer)  # the user's optimizer itself, past the wrapper
+            stepping.step(book.optimizer)  # the user's optimizer itself, past replicator's wrapper
             for param in params:
                 param.grad = None
         before, book.version = book.version, book.version + 1
