@@ -58,7 +58,7 @@ class GroupExchange:
         self._flat_lists: dict[tuple[tuple[int, ...], int | None], Outgoing] = {}
         # What each reply lands in: a tuple, so that the link checks it and views its bytes once.
         self._replies: dict[tuple[tuple[int, ...], int], tuple[torch.Tensor, ...]] = {}
-        self._pushed: dict[tuple[int, int], tuple[list[float], torch.Tensor, list[bool], torch.Tensor]] = {}
+        self._pushed: dict[tuple[int, int], tuple[list[float], list[bool], Outgoing]] = {}
         self.shared: list[SharedPayloads | None] = []  # per server: the segment its payloads travel in, if any
         self._slot_views: dict[tuple[int, int], list[torch.Tensor]] = {}
         if self.is_leader:
@@ -221,7 +221,7 @@ class GroupExchange:
     def _send_requests(self, kind: int, index: int | None, verdict: list[int]) -> str:
         """One frame to every server (for a push, with the gradient of its shard); an error message, or ""."""
         for server, link in enumerate(self.servers):
-            tensors: list[torch.Tensor] = []
+            tensors: list[torch.Tensor] | Outgoing = []
             if kind == links.PUSH:
                 assert index is not None
                 tensors = self._gradient(index, server)
@@ -254,26 +254,26 @@ class GroupExchange:
                 self._note_departures(codes)
         return ""
 
-    def _gradient(self, index: int, server: int) -> list[torch.Tensor]:
+    def _gradient(self, index: int, server: int) -> list[torch.Tensor] | Outgoing:
         """The frame of a push: learning rates, which parameters have a gradient, and each gradient from its own
-        memory (no packing: the frame's one `sendmsg` gathers them). The first two are tensors kept from push to
-        push, rewritten only when the rates or the gradients present change."""
+        memory (no packing: the frame's one `sendmsg` gathers them). The first two are kept from push to push, with
+        their descriptors, and made again only when the rates or the gradients present change."""
         shard = self.shards.shard(index, server)
         grads = [p.grad for p in shard.params]
         rates = [float(g["lr"]) for g in self.shards.optimizers[index].param_groups]
         presence = [g is not None for g in grads]
         kept = self._pushed.get((index, server))
-        if kept is None or kept[0] != rates or kept[2] != presence:
-            kept = self._pushed[(index, server)] = (rates, torch.tensor(rates, dtype=torch.float64), presence,
-                                                     torch.tensor(presence, dtype=torch.uint8))
+        if kept is None or kept[0] != rates or kept[1] != presence:
+            kept = self._pushed[(index, server)] = (rates, presence, Outgoing(
+                [torch.tensor(rates, dtype=torch.float64), torch.tensor(presence, dtype=torch.uint8)]))
         if self.shared[server] is None:
-            return [kept[1], kept[3], *(_on_the_wire(g, p) for g, p in zip(grads, shard.params, strict=True))]
+            return [*kept[2], *(_on_the_wire(g, p) for g, p in zip(grads, shard.params, strict=True))]
         if (views := self._slot_views.get((index, server))) is None:
             views = self._slot_views[(index, server)] = self.shared[server].gradient_views(index, shard)  # type: ignore[union-attr]
         with torch.no_grad():
             for grad, view in zip(grads, views, strict=True):  # one copy, into the slot the server reads
                 view.zero_() if grad is None else view.copy_(grad)  # zeros: a sum of groups adds them
-        return [kept[1], kept[3]]
+        return kept[2]
 
     def _failed(self, verdict: list[int], server: int, what: str, error: BaseException | None) -> str:
         verdict[0], verdict[1] = links.FAILED, server
