@@ -29,6 +29,7 @@ from torch.nn.parameter import is_lazy
 
 from replicator import _env
 from replicator._tree import named_leaves
+from replicator.board import EventFile, tensorboard_installed
 from replicator.errors import ReplicatorUsageError
 from replicator.job import Job
 from replicator.telemetry import PHASE_VALUES
@@ -40,10 +41,8 @@ METRICS, CONFIG, SUMMARY = "metrics.jsonl", "config.json", "summary.json"
 COLUMNS = ("step", "time", "wall_time", "samples", "samples_per_second", "step_seconds")
 # The figures of one phase of telemetry.Phase.values(), named for summary.json's `breakdown`.
 BREAKDOWN_FIELDS = ("steps", "step_seconds", "compute_seconds", "communication_seconds", "input_seconds")
-# Seconds between TensorBoard's flushes to disk: a crashed run keeps its curves up to then.
-BOARD_FLUSH_S = 10
-# Seconds between hand-overs of host scalars' TensorBoard events to the writer thread: waking it every step cost
-# more than the step's line itself, and the events wait for BOARD_FLUSH_S anyway.
+# Seconds between hand-overs of host scalars' TensorBoard events to the writer thread, which writes and flushes each
+# batch (a crashed run keeps its curves up to about then): waking it every step cost more than the step's line.
 BOARD_HANDOFF_S = 0.5
 
 
@@ -186,15 +185,6 @@ def _number(value: Any) -> float | int | None:
     return value if math.isfinite(value) else None
 
 
-def _summary_writer() -> Any:
-    """TensorBoard's SummaryWriter class, or None when tensorboard is not installed."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # torch raises it when the tensorboard package is missing
-        return None
-    return SummaryWriter
-
-
 def _final_step_in(path: Path) -> int | None:
     """The step of the last complete line of a metrics.jsonl (read from its end), or None."""
     with open(path, "rb") as file:
@@ -233,7 +223,7 @@ class RunRecord:
     """One run()'s record, as an observer of the step loop (replicator.loop.Observer).
 
     On the main process it writes `config.json` when the run starts, a line of `metrics.jsonl` per step,
-    flushed as it goes (and TensorBoard scalars, flushed every BOARD_FLUSH_S), and `summary.json` when the run ends: by
+    flushed as it goes (and TensorBoard scalars, flushed in batches), and `summary.json` when the run ends: by
     `finish()` with repl.last_run, or, when the loop was left by an error or a `break`, with what the
     record itself measured. Elsewhere, or when recording is off, it does nothing and `directory` is None.
     """
@@ -243,8 +233,8 @@ class RunRecord:
         self.config = config or {}
         self.tensorboard = False
         self._metrics: IO[str] | None = None
-        self._board: Any = None
-        self._board_type: Any = None  # SummaryWriter, made at the first step (it may drop steps first)
+        self._board: EventFile | None = None  # made at the first step (it may drop steps first)
+        self._board_flushed = 0.0  # when the writer thread last flushed it
         # A step whose scalars are on the host has its line written at once (a few µs); its TensorBoard events
         # go to a thread of their own in batches, so their encoding stays off the step. Once a scalar is on a
         # device, every line goes through that thread too (in order): reading a loss from a GPU there never
@@ -263,8 +253,7 @@ class RunRecord:
         if directory is not None:
             self._write_json(CONFIG, self.config)
             self._metrics = open(directory / METRICS, "a", encoding="utf-8")  # appends when a run resumes here
-            self._board_type = _summary_writer()
-            self.tensorboard = self._board_type is not None
+            self.tensorboard = tensorboard_installed()
             self._writer = threading.Thread(target=self._write_lines, name="replicator-run-record", daemon=True)
             self._writer.start()
 
@@ -367,7 +356,19 @@ class RunRecord:
                     self._write_board(step, {name: _number(value) for name, value in step.scalars})
             elif self._metrics is not None:
                 self._write_step(entry)
+            self._flush_board(every_s=0.0 if isinstance(entry, list) else BOARD_HANDOFF_S)
         self._close()
+
+    def _flush_board(self, every_s: float) -> None:
+        """Flush the TensorBoard events written so far, if `every_s` has passed since the last flush."""
+        now = time.perf_counter()
+        if self._board is None or now - self._board_flushed < every_s:
+            return
+        self._board_flushed = now
+        try:
+            self._board.flush()
+        except OSError as error:
+            self._board_failed(error)
 
     def _write_step(self, entry: _Step, board: bool = True) -> None:
         if self._first_written is None:  # on the thread that writes first: the training thread for host scalars
@@ -394,17 +395,23 @@ class RunRecord:
             self._write_board(entry, values)
 
     def _write_board(self, entry: _Step, values: dict[str, float | int | None]) -> None:
-        """The step's scalars as one TensorBoard event (each event costs a pure-Python CRC, twice)."""
+        """The step's scalars as one TensorBoard event."""
         if self._board is None:
             return
-        from tensorboard.compat.proto.summary_pb2 import Summary
-        from torch.utils.tensorboard.summary import scalar
-
         rate = entry.samples / entry.interval if entry.interval > 0 else None
         named = [*values.items(), ("replicator/samples_per_second", rate)]
-        summary = Summary(value=[scalar(name, value).value[0] for name, value in named if value is not None])
-        if summary.value:
-            self._board.file_writer.add_summary(summary, entry.step, walltime=entry.wall_time)
+        try:
+            self._board.add_scalars(entry.step, entry.wall_time, [(n, v) for n, v in named if v is not None])
+        except OSError as error:
+            self._board_failed(error)
+
+    def _board_failed(self, error: OSError) -> None:
+        assert self._board is not None
+        print(f"replicator: the run record's TensorBoard events stopped at {self._board.path} "
+              f"({type(error).__name__}: {error}); metrics.jsonl goes on", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            self._board.close()
+        self._board = None
 
     def _begin_writing(self, first: int) -> None:
         """Before the run's first line: drop the lines of steps from `first` on, which a run that appends to an
@@ -424,8 +431,12 @@ class RunRecord:
                   file=sys.stderr, flush=True)
             if self._metrics.closed:
                 self._metrics = open(path, "a", encoding="utf-8")
-        if self._board_type is not None:
-            self._board = self._board_type(log_dir=str(self.directory), flush_secs=BOARD_FLUSH_S, purge_step=purge)
+        if self.tensorboard:
+            try:
+                self._board = EventFile(self.directory, purge_step=purge)
+            except OSError as error:
+                print(f"replicator: cannot write the run record's TensorBoard events in {self.directory} "
+                      f"({type(error).__name__}: {error}); metrics.jsonl goes on", file=sys.stderr, flush=True)
 
     def _close(self) -> None:
         if self._metrics is not None:

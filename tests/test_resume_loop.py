@@ -134,6 +134,14 @@ def test_a_resumed_run_appending_to_its_record_leaves_one_line_per_step(tmp_path
     assert _steps(record) == list(range(KILL))  # steps 20..22 were recorded, then trained again after the restart
     run_replicas(_training, 2, str(tmp_path / "ckpt"), EPOCHS, "epochs", -1, "kill", str(record), timeout_s=240)
     assert _steps(record) == list(range(EPOCHS * 8))
+    # TensorBoard reads both runs' event files and shows each step once: the resumed run's file hides the first's
+    # events from the step it resumed at on.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(record))
+    board.Reload()
+    assert len(list(record.glob("events.out.tfevents.*"))) == 2
+    assert [event.step for event in board.Scalars("replicator/samples_per_second")] == list(range(EPOCHS * 8))
     # In the per-epoch loop each run() appends its epoch to the same record.
     run_replicas(_training, 2, str(tmp_path / "loop"), 2, "loop", -1, "kill", str(tmp_path / "loop-record"),
                  timeout_s=240)
