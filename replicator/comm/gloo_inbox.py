@@ -80,6 +80,10 @@ class GlooInbox:
         """Make the receive() waiting now (or the next one) return None at once, as PeerServer.wake does."""
         self._events.put(None)
 
+    def disconnect(self, peer: Peer) -> None:
+        """Nothing to do: a peer that said goodbye sends nothing more under this inbox's tag (its exit, later, is a
+        PeerDied for a peer its user no longer counts)."""
+
     def close(self) -> None:
         """Stop taking frames (a thread blocked in a receive stays there until its peer leaves or the job ends)."""
         self._closed = True

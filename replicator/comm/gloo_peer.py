@@ -31,7 +31,7 @@ from replicator.comm.frames import (
 )
 from replicator.comm.peer_link import IntoFor, Landing, Peer, PeerDied, PeerLinkError, check_into
 
-__all__ = ["GlooPeer", "use_sockets"]
+__all__ = ["GlooPeer", "GlooPair", "use_sockets"]
 
 TAG = 97  # the peer link's frames, apart from every other point-to-point message of the job
 
@@ -109,6 +109,26 @@ class GlooPeer:
     def close(self) -> None:
         """Nothing to close: the job's process group outlives the pair."""
 
+
+
+class GlooPair:
+    """One end of a link whose frames go out on one process group and come in on another: a group per way of
+    waiting, since a Gloo group's timeout bounds a send as well as a receive, and a receive that timed out would
+    break its pair for good."""
+
+    transport = "gloo"
+
+    def __init__(self, sending: GlooPeer, receiving: GlooPeer) -> None:
+        self.sending, self.receiving, self.peer = sending, receiving, sending.peer
+
+    def send(self, kind: int, tensors: Sequence[torch.Tensor] = (), *, request: int = 0, flags: int = 0) -> None:
+        self.sending.send(kind, tensors, request=request, flags=flags)
+
+    def receive(self, into: Sequence[torch.Tensor] | IntoFor | None = None) -> Frame:
+        return self.receiving.receive(into)
+
+    def close(self) -> None:
+        """Nothing to close: the process groups outlive the pair."""
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type != "cpu" or not tensor.is_contiguous():

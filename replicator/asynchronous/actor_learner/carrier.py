@@ -24,7 +24,7 @@ from replicator.asynchronous.actor_learner import exchange
 from replicator.asynchronous.actor_learner.roles import Roles
 from replicator.comm.frames import Frame
 from replicator.comm.gloo_inbox import GlooInbox
-from replicator.comm.gloo_peer import TAG, GlooPeer
+from replicator.comm.gloo_peer import TAG, GlooPair, GlooPeer
 from replicator.comm.peer_link import IntoFor, Peer, connect
 from replicator.comm.peer_server import PeerServer
 from replicator.topology import WAIT_WITHOUT_LIMIT_S, group_of_mine
@@ -91,7 +91,7 @@ class Carrier:
         assert self.roles is not None
         peer = Peer(learner, f"learner {learner}", -1, "gloo")
         tag = self.tag(run, link)
-        return _GlooConnection(GlooPeer(peer, self.upstream, tag=tag), GlooPeer(peer, self.downstream, tag=tag))
+        return GlooPair(GlooPeer(peer, self.upstream, tag=tag), GlooPeer(peer, self.downstream, tag=tag))
 
     # -- a learner ---------------------------------------------------------------------------------
     def serve(self, run: int, link: int, index: int, *, rank: int, role: str) -> Server:
@@ -104,46 +104,4 @@ class Carrier:
         assert roles is not None
         others = [a for a in range(roles.others) if link == INSERTS or a % roles.learners == index]
         peers = [Peer(roles.actor_rank(a), roles.name(a).split(" (")[0], -1, "gloo") for a in others]
-        return _GlooServer(GlooInbox(peers, self.upstream, reply_group=self.downstream, tag=self.tag(run, link)))
-
-
-class _GlooConnection:
-    """An actor's end over Gloo: frames up on one group, down on the other, under one tag."""
-
-    transport = "gloo"
-
-    def __init__(self, sending: GlooPeer, receiving: GlooPeer) -> None:
-        self.sending, self.receiving, self.peer = sending, receiving, sending.peer
-
-    def send(self, kind: int, tensors: Sequence[torch.Tensor] = (), *, request: int = 0, flags: int = 0) -> None:
-        self.sending.send(kind, tensors, request=request, flags=flags)
-
-    def receive(self, into: Sequence[torch.Tensor] | IntoFor | None = None) -> Frame:
-        return self.receiving.receive(into)
-
-    def close(self) -> None:
-        """Nothing to close: the process groups outlive the link."""
-
-
-class _GlooServer:
-    """A learner's end over Gloo, as the service uses a PeerServer."""
-
-    def __init__(self, inbox: GlooInbox) -> None:
-        self.inbox = inbox
-
-    def receive(self, timeout_s: float | None = None) -> tuple[Peer, Frame] | None:
-        return self.inbox.receive(timeout_s)
-
-    def send(self, peer: Peer, kind: int, tensors: Sequence[torch.Tensor] = (), *, request: int = 0,
-             flags: int = 0) -> None:
-        self.inbox.send(peer, kind, tensors, request=request, flags=flags)
-
-    def wake(self) -> None:
-        self.inbox.wake()
-
-    def disconnect(self, peer: Peer) -> None:
-        """Nothing to do: a peer that said goodbye sends nothing more on this run's tag (its exit, later, is a
-        PeerDied for a peer the service no longer counts)."""
-
-    def close(self) -> None:
-        self.inbox.close()
+        return GlooInbox(peers, self.upstream, reply_group=self.downstream, tag=self.tag(run, link))

@@ -21,7 +21,7 @@ import torch
 
 from replicator.comm.frames import FIRST_USER_KIND, Frame
 from replicator.comm.gloo_inbox import GlooInbox
-from replicator.comm.gloo_peer import GlooPeer
+from replicator.comm.gloo_peer import GlooPair, GlooPeer
 from replicator.comm.peer_link import Peer, connect
 from replicator.comm.peer_server import PeerServer, Placement
 from replicator.comm.store import job_store
@@ -119,7 +119,7 @@ class Links:
         rank, role = self.mesh.rank, f"sync group {self.mesh.group_id}"
         if not self.sockets:
             server = Peer(self.mesh.serving_ranks[index], f"parameter server {index}", -1, "gloo")
-            return _GlooEnds(GlooPeer(server, self.requests), GlooPeer(server, self.replies))
+            return GlooPair(GlooPeer(server, self.requests), GlooPeer(server, self.replies))
         return connect(f"{self.prefix}server{index}", rank=rank, role=role, timeout_s=2 * self.timeout_s)
 
     def to_members(self) -> list[Link]:
@@ -160,24 +160,6 @@ class _Served:
     def close(self) -> None:
         if self.server.connections:
             self.server.close()
-
-
-class _GlooEnds:
-    """A leader's link to a server over Gloo: requests on a group without a timeout, replies on one with its own."""
-
-    transport = "gloo"
-
-    def __init__(self, sending: GlooPeer, receiving: GlooPeer) -> None:
-        self.sending, self.receiving, self.peer = sending, receiving, sending.peer
-
-    def send(self, kind: int, tensors: Sequence[torch.Tensor] = (), *, request: int = 0, flags: int = 0) -> None:
-        self.sending.send(kind, tensors, request=request, flags=flags)
-
-    def receive(self, into: Sequence[torch.Tensor] | None = None) -> Frame:
-        return self.receiving.receive(into)
-
-    def close(self) -> None:
-        """Nothing to close: the process groups outlive the pair."""
 
 
 class SavedStates:
