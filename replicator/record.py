@@ -443,7 +443,10 @@ class RunRecord:
             self._metrics.close()
             self._metrics = None
         if self._board is not None:
-            self._board.close()
+            try:
+                self._board.close()  # its last batch is flushed here
+            except OSError as error:
+                self._board_failed(error)
             self._board = None
 
     def _summarize(self, outcome: dict[str, Any]) -> None:
