@@ -32,8 +32,7 @@ def step(optimizer: torch.optim.Optimizer) -> None:
     if inner is None or getattr(hooked, "__code__", None) is not _TORCH_WRAPPER or _observed(optimizer):
         hooked(optimizer)
         return
-    inner(optimizer)
-    optimizer._optimizer_step_code()  # the profiler's python tracer's entry point, a no-op otherwise
+    inner(optimizer)  # what the wrapper adds past this is for a profiler, and none records
 
 
 def _observed(optimizer: torch.optim.Optimizer) -> bool:
