@@ -17,6 +17,7 @@ def _wrapper_code() -> CodeType | None:
 
 
 _TORCH_WRAPPER = _wrapper_code()
+_PROFILING = getattr(torch.autograd, "_profiler_enabled", None)  # is a torch profiler recording?
 
 
 def step(optimizer: torch.optim.Optimizer) -> None:
@@ -41,5 +42,5 @@ def _observed(optimizer: torch.optim.Optimizer) -> bool:
               getattr(optimizer, "_optimizer_step_post_hooks", None),
               getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
               getattr(torch_optimizer, "_global_optimizer_post_hooks", None)]
-    # A table this torch lacks (None) counts as a listener: then torch's whole step runs, as it would anyway.
-    return any(table is None or len(table) for table in tables) or torch.autograd._profiler_enabled()
+    # What this torch lacks (a table, the profiler's switch) counts as a listener: torch's whole step runs, as ever.
+    return any(table is None or len(table) for table in tables) or _PROFILING is None or bool(_PROFILING())
