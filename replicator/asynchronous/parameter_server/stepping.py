@@ -30,7 +30,8 @@ def step(optimizer: torch.optim.Optimizer) -> None:
     whole wrapper runs, hooks and label included."""
     hooked = type(optimizer).step
     inner = getattr(hooked, "__wrapped__", None)
-    if inner is None or getattr(hooked, "__code__", None) is not _TORCH_WRAPPER or _observed(optimizer):
+    torchs = _TORCH_WRAPPER is not None and getattr(hooked, "__code__", None) is _TORCH_WRAPPER
+    if inner is None or not torchs or _observed(optimizer):
         hooked(optimizer)
         return
     inner(optimizer)  # what the wrapper adds past this is for a profiler, and none records
