@@ -9,6 +9,8 @@ collective moves CUDA tensors and every gradient bucket is reduced while backwar
 - a compressed reducer (fp16) whose reductions run on the reducer's thread and CUDA stream;
 - a checkpoint saved from CUDA replicas and restored by one CPU process, bit for bit;
 - `shard="gradients"` (ZeRO-2) on the same replicas, bit for bit with `shard=None`;
+- parameter servers: 2 workers training on the GPU and 1 server, bulk synchronous (one sync group,
+  staleness 0), against one process on the same GPU;
 - the run record written on CUDA and `replicator report` reading it;
 - the D4PG example with its learner on CUDA (1 learner, 1 actor, the evaluator).
 
@@ -165,6 +167,60 @@ def check_sharded(directory: str, device_env: dict[str, str], trained: dict[str,
             "ok": bool(equal and same)}
 
 
+def _worker_batch(worker: int, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + worker)
+    return torch.randn(8, 5, generator=generator).to(device), torch.randn(8, 2, generator=generator).to(device)
+
+
+def _small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 32), nn.Tanh(), nn.Linear(32, 2))
+
+
+def _parameter_server_job() -> dict[str, Any]:
+    """One process of a 3-process job: 2 workers (on the job's device) and 1 server, one sync group, staleness 0."""
+    _exact_kernels()
+    repl = rp.Replicator(mode=rp.ParameterServers(servers=1, sync_group_size=2, max_staleness=0))
+    with repl.scope():
+        model = _small_model()
+        optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+    def step_fn(ctx: rp.ReplicaContext, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        optimizer.zero_grad()
+        F.mse_loss(model(batch[0]), batch[1]).backward()
+        optimizer.step()
+
+    batches = repl.prepare_input(lambda ctx: [_worker_batch(ctx.input_pipeline_id, step, repl.device)
+                                              for step in range(STEPS)])
+    for _ in repl.run(step_fn, batches, steps=STEPS, progress=False):
+        pass
+    devices = sorted({str(p.device) for p in model.parameters()})
+    figures = {"parameters": [p.detach().cpu() for p in model.parameters()], "devices": devices,
+               "serves": bool(repl.regime.serves), "run": repl.last_run.get("asynchronous")}
+    repl.close()
+    return figures
+
+
+def check_parameter_servers(device: torch.device, device_env: dict[str, str]) -> dict[str, Any]:
+    results = run_replicas(_parameter_server_job, 3, env=device_env, timeout_s=300)
+    _exact_kernels()
+    model = _small_model().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        parts = [_worker_batch(worker, step, device) for worker in range(2)]
+        optimizer.zero_grad()
+        F.mse_loss(model(torch.cat([x for x, _ in parts])), torch.cat([y for _, y in parts])).backward()
+        optimizer.step()
+    reference = {str(n): p.detach().cpu() for n, p in enumerate(model.parameters())}
+    workers = [r for r in results if not r["serves"]]
+    worst = max(_worst({str(n): p for n, p in enumerate(r["parameters"])}, reference) for r in results)
+    bound = _bound(reference)
+    return {"workers' devices": [r["devices"] for r in workers], "transport": workers[0]["run"].get("transport"),
+            "max |job - one process|": worst, "bound": bound,
+            "ok": bool(worst <= bound and len(workers) == 2
+                       and all(r["devices"] == [str(device) if device.type == "cpu" else "cuda:0"] for r in workers))}
+
+
 def _restore_on_cpu(path: str) -> dict[str, torch.Tensor]:
     repl = rp.Replicator()
     with repl.scope():
@@ -236,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             "2 replicas on one GPU, shard='gradients'": lambda: check_sharded(directory, device_env, trained),
             "2 replicas on one GPU, fp16 reducer": lambda: check_replicas(directory, device_env, "fp16", {}),
             "run record and report": lambda: check_report(directory),
+            "parameter servers, workers on the GPU": lambda: check_parameter_servers(torch.device(device),
+                                                                                      device_env),
             "D4PG, learner on the GPU": lambda: check_d4pg(os.path.join(directory, "d4pg"), device),
         }
         for name, check in checks.items():

@@ -117,6 +117,9 @@ def test_both_spellings_make_the_same_mode(mode: str) -> None:
     (rp.ParameterServers(servers=0), {}, rp.ReplicatorUsageError, r"mode='async' needs servers >= 1, got 0"),
     (rp.ParameterServers(servers=3), {}, rp.ReplicatorUsageError, r"servers=3 leaves no worker in a job of 3"),
     (rp.ActorLearner(actors=0), {}, rp.ReplicatorUsageError, r"needs actors >= 1, got actors=0"),
+    ("async", {"parameter_servers": rp.ParameterServers()}, rp.ReplicatorUsageError,
+     r"parameter_servers must be a number of servers, got ParameterServers\(.*pass a config object as "
+     r"mode=rp\.ParameterServers"),
     # The deprecated keywords' refusals, word for word as before.
     ("sync", {"outer_every": 2}, rp.ReplicatorUsageError,
      r"^outer_every only apply to mode='diloco' \(sync_group_size also to mode='async'; raised on rank 0\): pass the "

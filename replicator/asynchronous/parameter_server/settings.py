@@ -48,6 +48,10 @@ class AsyncSettings:
             raise ReplicatorUsageError(
                 f"mode='async' with stages={stages} is not supported yet: parameter servers hold whole models; "
                 "use stages=1, or mode='sync' for a pipeline")
+        if not isinstance(parameter_servers, int):  # e.g. rp.ParameterServers(...) given to the keyword
+            raise ReplicatorUsageError(
+                f"{servers_name} must be a number of servers, got {parameter_servers!r}: pass a config object as "
+                "mode=rp.ParameterServers(...)")
         if parameter_servers < 1:
             raise ReplicatorUsageError(f"mode='async' needs {servers_name} >= 1, got {parameter_servers}")
         if max_staleness is not None and max_staleness < 0:
