@@ -225,7 +225,7 @@ def categorical_projection(probs: torch.Tensor, atoms: torch.Tensor, reward: tor
     # lower == upper. At v_max the upper neighbour is the column past the end, which is dropped.
     lower = position.floor().clamp(max=size - 1)
     above = position - lower  # the upper neighbour's share
-    projected = torch.zeros(probs.shape[0], size + 1, dtype=probs.dtype)
+    projected = torch.zeros(probs.shape[0], size + 1, dtype=probs.dtype, device=probs.device)
     projected.scatter_add_(1, lower.long(), probs * (1.0 - above))
     projected.scatter_add_(1, lower.long() + 1, probs * above)
     return projected[:, :size]

@@ -20,6 +20,12 @@ if [ "${1:-}" = "--dry-run" ]; then
   dry="--cpu-dry-run"; smoke="--repeats 1 --steps 1 --warmup 1"
 fi
 log="$OUT/check.log"
+if [ -z "$dry" ]; then
+  # The suite's launched jobs set PYTHONPATH themselves (to the repository): a .pth file in the lent machine's
+  # interpreter lets them import replicator and whatever was installed beside it (PYTHONPATH's entries) too.
+  site=$("$PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  tr ':' '\n' <<< "$PYTHONPATH" > "$site/replicator-gpu-check.pth" || echo "no .pth written in $site"
+fi
 
 {
   echo "== environment"

@@ -184,6 +184,7 @@ def _parameter_server_job() -> dict[str, Any]:
     with repl.scope():
         model = _small_model()
         optimizer = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    initial = [p.detach().cpu().clone() for p in model.parameters()]  # built with the device's generator
 
     def step_fn(ctx: rp.ReplicaContext, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         optimizer.zero_grad()
@@ -195,7 +196,7 @@ def _parameter_server_job() -> dict[str, Any]:
     for _ in repl.run(step_fn, batches, steps=STEPS, progress=False):
         pass
     devices = sorted({str(p.device) for p in model.parameters()})
-    figures = {"parameters": [p.detach().cpu() for p in model.parameters()], "devices": devices,
+    figures = {"parameters": [p.detach().cpu() for p in model.parameters()], "initial": initial, "devices": devices,
                "serves": bool(repl.regime.serves), "run": repl.last_run.get("asynchronous")}
     repl.close()
     return figures
@@ -205,6 +206,10 @@ def check_parameter_servers(device: torch.device, device_env: dict[str, str]) ->
     results = run_replicas(_parameter_server_job, 3, env=device_env, timeout_s=300)
     _exact_kernels()
     model = _small_model().to(device)
+    server = next(r for r in results if r["serves"])
+    with torch.no_grad():  # the server's initial values, which the workers pull (built with the device's generator)
+        for param, value in zip(model.parameters(), server["initial"], strict=True):
+            param.copy_(value)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         parts = [_worker_batch(worker, step, device) for worker in range(2)]

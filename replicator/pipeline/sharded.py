@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from replicator._torch_names import FSDPModule, fully_shard
+from replicator._torch_names import FSDPModule, fsdp_param_groups, fully_shard
 
 __all__ = ["ShardedUnits"]
 
@@ -63,7 +63,7 @@ class ShardedUnits:
         self._end_of_step()
         states = [fully_shard.state(unit) for unit in self.units]  # type: ignore[attr-defined]
         for state in states:
-            for group in state._fsdp_param_groups:
+            for group in fsdp_param_groups(state):
                 group.post_backward()
         # The root's end-of-backward callback waits for the reductions and resets the iteration's state.
         for state in states:
@@ -77,7 +77,7 @@ class ShardedUnits:
             state = fully_shard.state(unit)  # type: ignore[attr-defined]
             if state._is_root and hasattr(unit, "reset_iter_state"):  # the iteration's trackers (recent torch)
                 unit.reset_iter_state()
-            for group in state._fsdp_param_groups:
+            for group in fsdp_param_groups(state):
                 for param in group.fsdp_params:
                     param.unsharded_accumulated_grad = None
                     if hasattr(param, "_unsharded_param"):

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from replicator._torch_names import fsdp_param_groups
 from replicator.comm.agreement import Agreement, PendingAgreement, call_site
 from replicator.sync.reducers import _ring
 from replicator.sync.reducers.shm import SharedMemorySum, shared_memory_usable, sum_in_ring_order
@@ -273,11 +274,7 @@ def _gathered_elements(unit: torch.nn.Module, replicas: int) -> dict[torch.dtype
 
 
 def _holds_parameters(module: FSDPModule) -> bool:
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch releases with one group per state
-        groups = [group for group in [getattr(state, "_fsdp_param_group", None)] if group is not None]
-    return len(groups) == 1
+    return len(fsdp_param_groups(module._get_fsdp_state())) == 1
 
 
 def _allocate(size: Sequence[int | torch.SymInt], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

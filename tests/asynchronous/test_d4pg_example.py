@@ -64,6 +64,16 @@ def test_categorical_projection_keeps_the_mean_inside_the_support(d4pg: ModuleTy
     assert (projected * atoms).sum(-1) == pytest.approx(expected, abs=1e-9)
 
 
+def test_categorical_projection_computes_on_its_inputs_device(d4pg: ModuleType) -> None:
+    # On a GPU learner every input is a CUDA tensor; the meta device shows the same thing on any machine: the
+    # projection must allocate where its inputs live (a CPU buffer there raised "Expected all tensors to be on the
+    # same device" on the GPU).
+    atoms = torch.linspace(-100, 0, 51, device="meta")
+    projected = d4pg.categorical_projection(torch.empty(8, 51, device="meta"), atoms, torch.empty(8, device="meta"),
+                                            torch.empty(8, device="meta"))
+    assert projected.device.type == "meta" and projected.shape == (8, 51)
+
+
 def run_example(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """The example run plainly: it launches its own job of learners, actors and the evaluator."""
     return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=timeout,
