@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 import replicator as rp
+from replicator._torch_names import fsdp_param_groups
 from replicator.testing import run_replicas
 
 GLOBAL_BATCH, CHUNKS, STEPS = 16, 2, 3
@@ -430,3 +432,12 @@ def test_a_model_built_on_meta_trains_in_sharded_stages_as_one_built_whole() -> 
     for rank, runs in enumerate(run_replicas(built_on_meta_or_whole, 4, timeout_s=240)):
         for key, params in runs.items():
             assert all(torch.equal(g, w) for g, w in zip(params, runs[(None, False)], strict=True)), (rank, key)
+
+
+def test_fsdp2_parameter_groups_are_read_as_each_supported_torch_holds_them() -> None:
+    # torch 2.13 keeps a list (`_fsdp_param_groups`); torch 2.11 one group or None (`_fsdp_param_group`): on the
+    # H200's torch 2.11 every sharded pipeline failed on the list's name. Both layouts, as plain objects.
+    group = object()
+    assert fsdp_param_groups(SimpleNamespace(_fsdp_param_groups=[group, group])) == [group, group]
+    assert fsdp_param_groups(SimpleNamespace(_fsdp_param_group=group)) == [group]
+    assert fsdp_param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
