@@ -21,6 +21,7 @@ from replicator.asynchronous.actor_learner.nstep import NStepAdder
 from replicator.errors import ReplicatorUsageError
 from replicator.testing import ReplicaFailure, run_replicas
 
+from _events import announce, wait_for
 from _numerics import assert_within, bound, training_bound
 
 SHORT = {"REPLICATOR_TIMEOUT": "30"}
@@ -246,8 +247,10 @@ class Stamped(torch.nn.Module):
         self.register_buffer("stamp", torch.zeros(()))
 
 
-def fresh_weights_job() -> tuple[str, Any, dict[str, Any]]:
+def fresh_weights_job(directory: str) -> tuple[str, Any, dict[str, Any]]:
     repl = rp.Replicator(mode="actor_learner", actors=1, evaluator=True)
+    progress = Path(directory) / "evaluator-saw-env-steps"  # the learner's last step waits for it: a run can be
+    # shorter than one of the evaluator's naps
     replay = rp.Replay(capacity=100, batch_size=2, samples_per_insert=1.0, tolerance=0.0, min_size=4)
     with repl.scope():
         model = Stamped()
@@ -259,6 +262,8 @@ def fresh_weights_job() -> tuple[str, Any, dict[str, Any]]:
             while actor.running:
                 actor.update_weights()
                 seen.append((actor.counters()["env_steps"], actor.version, float(model.stamp)))
+                if seen[-1][0] > 0:
+                    announce(progress)
                 time.sleep(0.05)
             return
         t = 0
@@ -272,6 +277,8 @@ def fresh_weights_job() -> tuple[str, Any, dict[str, Any]]:
     def step_fn(ctx: rp.ReplicaContext, batch: rp.ReplaySample) -> torch.Tensor:
         loss = regression_step(model.linear, optimizer, batch)
         model.stamp.fill_(repl.global_step + 1)  # the weights after this step are version global_step + 1
+        if repl.global_step == 29:  # the last step
+            wait_for(progress)
         return loss
 
     for _ in repl.run(step_fn, repl.prepare_input(replay), steps=30, actor_fn=actor_fn, update_period=PERIOD):
@@ -279,9 +286,9 @@ def fresh_weights_job() -> tuple[str, Any, dict[str, Any]]:
     return repl.role, seen, repl.last_run["actor_learner"]
 
 
-def test_actors_see_weights_no_older_than_the_update_period_allows() -> None:
-    (_, _, learner), (_, actor, _), (role, evaluator, _) = run_replicas(fresh_weights_job, 3, timeout_s=120,
-                                                                        env=SHORT)
+def test_actors_see_weights_no_older_than_the_update_period_allows(tmp_path: Path) -> None:
+    (_, _, learner), (_, actor, _), (role, evaluator, _) = run_replicas(fresh_weights_job, 3, str(tmp_path),
+                                                                        timeout_s=120, env=SHORT)
     assert role == "evaluator" and evaluator and learner["evaluator"] is True
     for _, version, stamp in actor + evaluator:
         assert stamp == version  # the weights in place are those of the version the actor reports
