@@ -72,8 +72,10 @@ def test_two_fast_actors_never_push_a_commit_or_a_sample_outside_the_limiters_ba
     assert learner["outside_band"] == 0, learner
     # rel=0.1: the bound on realised samples per insert; the band itself is ±10 % of the ratio over min_size.
     assert learner["samples_per_insert"] == pytest.approx(RATIO, rel=0.1), learner
-    # The actors ran far ahead of the ratio, so they waited for credit: the back pressure reached them.
-    assert first["wait_seconds"] > 0 and second["wait_seconds"] > 0, (first, second)
+    # The actors ran far ahead of the ratio, so they waited for credit: the back pressure reached them. Together:
+    # which of two actors finds the credit gone is the scheduler's choice (one descheduled on 2 cores, or slowed
+    # by its sends, may always find room while the other waits).
+    assert first["wait_seconds"] + second["wait_seconds"] > 0, (first, second)
     assert learner["inserts"] <= first["transitions_sent"] + second["transitions_sent"]
 
 
@@ -117,7 +119,7 @@ def test_with_the_peer_link_off_actors_and_learners_talk_over_gloo_and_the_limit
         assert learner["transport"] == first["transport"] == second["transport"] == "gloo"
         assert learner["learner_steps"] == LIMITED_STEPS and learner["departed"] == {}, learner
         assert learner["outside_band"] == 0, learner
-        assert first["wait_seconds"] > 0 and second["wait_seconds"] > 0, (first, second)  # credits held them back
+        assert first["wait_seconds"] + second["wait_seconds"] > 0, (first, second)  # credits held them back
     learner = learner_runs[0]
     assert learner["samples"] == LIMITED_STEPS * LIMITED_BATCH
     assert learner["samples_per_insert"] == pytest.approx(RATIO, rel=0.1), learner  # as over sockets
