@@ -115,15 +115,33 @@ def recomputing(module: nn.Module) -> Iterator[None]:
 
 
 def run_forward(module: nn.Module, inputs: Any, recompute: bool) -> Any:
-    """`module(inputs)`, optionally keeping only `inputs` and recomputing the rest in backward."""
+    """`module(inputs)`, optionally keeping only `inputs` and recomputing the rest in backward.
+
+    An error of the recomputed forward's first run is raised after `checkpoint()` has returned: a torch
+    whose `checkpoint()` is left by an exception (2.11's) keeps its saved-tensor hooks pushed for as long as the
+    error lives, and a pipeline keeps a failed step's error. Every later forward of this thread outside a
+    recomputed one would then save its tensors through the failed micro-batch's hooks, and the backward that
+    reads them would recompute that micro-batch and raise `CheckpointError` (seen on torch 2.11: "saved 12,
+    recomputed 2"). The failed micro-batch itself is never backpropagated.
+    """
     if not recompute or not torch.is_grad_enabled():
         return module(inputs)
-    return checkpoint(
-        lambda kept: module(_fresh_copies(kept)),
-        inputs,
-        use_reentrant=False,
-        context_fn=lambda: (contextlib.nullcontext(), _Recomputing(module)),
-    )
+    failures: list[Exception] = []
+
+    def forward(kept: Any) -> Any:
+        try:
+            return module(_fresh_copies(kept))
+        except Exception as error:
+            if is_recomputing():  # in backward: the error is the backward's
+                raise
+            failures.append(error)
+            return None
+
+    output = checkpoint(forward, inputs, use_reentrant=False,
+                        context_fn=lambda: (contextlib.nullcontext(), _Recomputing(module)))
+    if failures:
+        raise failures[0]
+    return output
 
 
 class _Recomputing:
