@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,9 +17,9 @@ class Raising(nn.Module):
 
 
 @pytest.fixture
-def leaky_checkpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+def leaky_checkpoint(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """torch.utils.checkpoint as torch 2.11 behaves when the forward raises: its saved-tensor hooks stay pushed
-    (there, until the error is freed). Yields how many tensors those hooks were handed."""
+    (there, until the error is freed). Returns how many tensors those hooks were handed."""
     packed: list[int] = []
 
     def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
@@ -31,7 +30,7 @@ def leaky_checkpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         return output
 
     monkeypatch.setattr(recompute, "checkpoint", checkpoint)
-    yield packed
+    return packed
 
 
 def test_a_raising_recomputed_forward_raises_its_error_and_leaves_no_hooks_pushed(leaky_checkpoint: list[int]
