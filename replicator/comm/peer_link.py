@@ -111,8 +111,11 @@ def job_token(store: dist.Store | None = None) -> bytes:
 # -- sending and receiving, shared by both ends ------------------------------------------------
 
 
-def send_buffers(sock: socket.socket, buffers: list[memoryview | bytes], within_s: float | None) -> None:
-    """Send every buffer, in order, with as few `sendmsg` calls as the kernel allows (one when it takes all)."""
+def send_buffers(sock: socket.socket, buffers: list[memoryview | bytes], within_s: float | None) -> int:
+    """Send every buffer, in order, with as few `sendmsg` calls as the kernel allows (one when it takes all);
+    returns the bytes sent. The buffers are `encode`'s: bytes and one-dimensional byte views, so `len` is
+    their size."""
+    total = sum(map(len, buffers))
     if len(buffers) <= 512:  # the usual case, in one call: the kernel takes the whole frame
         try:
             sent = sock.sendmsg(buffers, [], socket.MSG_NOSIGNAL)
@@ -120,9 +123,8 @@ def send_buffers(sock: socket.socket, buffers: list[memoryview | bytes], within_
             if sock.gettimeout() is None:  # a blocking socket: its kernel send timeout (SO_SNDTIMEO) passed
                 raise TimeoutError("the peer took nothing for the timeout") from None
             sent = 0  # a non-blocking one, full: wait below until it takes more
-        total = sum(memoryview(buffer).nbytes for buffer in buffers)
         if sent == total:
-            return
+            return total
         buffers = _past(buffers, sent)
     views = [memoryview(buffer).cast("B") for buffer in buffers]
     deadline = None if within_s is None else time.monotonic() + within_s
@@ -144,6 +146,7 @@ def send_buffers(sock: socket.socket, buffers: list[memoryview | bytes], within_
             views.pop(0)
         if sent:
             views[0] = views[0][sent:]
+    return total
 
 
 def _past(buffers: list[memoryview | bytes], sent: int) -> list[memoryview | bytes]:
@@ -301,8 +304,7 @@ class PeerConnection:
         buffers = encode(kind, tensors, request, flags, self.limits)
         try:
             with self._sending:
-                send_buffers(self.sock, buffers, None)
-                self.sent_bytes += sum(memoryview(buffer).nbytes for buffer in buffers)
+                self.sent_bytes += send_buffers(self.sock, buffers, None)
         except (BrokenPipeError, ConnectionResetError) as error:
             raise self._fail(PeerDied(f"{self.peer} closed its end of the link (it exited or crashed): {error}",
                                       self.peer)) from None

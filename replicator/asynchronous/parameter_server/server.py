@@ -90,6 +90,7 @@ class ParameterServer:
         self.inbox = plan.serve(self.index, self._place)
 
     # -- the loop ----------------------------------------------------------------------------
+    @torch.no_grad()  # a server computes no gradient: grad mode off once, not around every update
     def serve(self, until_saved: bool = False) -> dict[str, Any]:
         """Answer requests until no group is left; then give every server the whole model.
 
@@ -220,27 +221,26 @@ class ParameterServer:
     def _apply(self, index: int, book: _Book) -> None:
         waiting = sorted(book.pending)
         gradients = [book.pending.pop(g) for g in waiting]
-        with torch.no_grad():
-            # The gradients as they landed: one is applied from its own buffers; several are summed into the
-            # first's, in group order, and averaged (the same sums as from zeros: 0 + g is g, bit for bit).
-            first = gradients[0]
-            present = first.has.tolist()
-            if len(gradients) > 1:
-                for gradient in gradients[1:]:
-                    present = [a or b for a, b in zip(present, gradient.has.tolist(), strict=True)]
-                    for total, view in zip(first.views, gradient.views, strict=True):
-                        total += view
-                for total in first.views:
-                    total /= len(gradients)
-            params = book.shard.params
-            for param, total, has in zip(params, first.views, present, strict=True):
-                # On the host, the landed gradient itself: no copy.
-                param.grad = (total if total.device == param.device else total.to(param.device)) if has else None
-            for param_group, lr in zip(book.optimizer.param_groups, first.rates.tolist(), strict=True):
-                param_group["lr"] = lr  # the workers' schedulers set the rate, as in synchronous mode
-            stepping.step(book.optimizer)  # the user's optimizer itself, past replicator's wrapper
-            for param in params:
-                param.grad = None
+        # The gradients as they landed: one is applied from its own buffers; several are summed into the
+        # first's, in group order, and averaged (the same sums as from zeros: 0 + g is g, bit for bit).
+        first = gradients[0]
+        present = first.has.tolist()
+        if len(gradients) > 1:
+            for gradient in gradients[1:]:
+                present = [a or b for a, b in zip(present, gradient.has.tolist(), strict=True)]
+                for total, view in zip(first.views, gradient.views, strict=True):
+                    total += view
+            for total in first.views:
+                total /= len(gradients)
+        params = book.shard.params
+        for param, total, has in zip(params, first.views, present, strict=True):
+            # On the host, the landed gradient itself: no copy.
+            param.grad = (total if total.device == param.device else total.to(param.device)) if has else None
+        for param_group, lr in zip(book.optimizer.param_groups, first.rates.tolist(), strict=True):
+            param_group["lr"] = lr  # the workers' schedulers set the rate, as in synchronous mode
+        stepping.step(book.optimizer)  # the user's optimizer itself, past replicator's wrapper
+        for param in params:
+            param.grad = None
         before, book.version = book.version, book.version + 1
         self.record.updates += 1
         for group in waiting:
