@@ -271,8 +271,8 @@ class GroupExchange:
         if (views := self._slot_views.get((index, server))) is None:
             views = self._slot_views[(index, server)] = self.shared[server].gradient_views(index, shard)  # type: ignore[union-attr]
         with torch.no_grad():  # one copy, into the slot the server reads
-            if all(presence):
-                torch._foreach_copy_(views, grads)  # one call for every tensor: the same bytes as copy_ each
+            if all(presence):  # one call for every tensor: the same bytes as copy_ each
+                torch._foreach_copy_(views, grads)  # type: ignore[arg-type]  # (all present: no None left)
             else:
                 for grad, view in zip(grads, views, strict=True):
                     view.zero_() if grad is None else view.copy_(grad)  # zeros: a sum of groups adds them
