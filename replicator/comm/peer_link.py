@@ -113,9 +113,8 @@ def job_token(store: dist.Store | None = None) -> bytes:
 
 def send_buffers(sock: socket.socket, buffers: list[memoryview | bytes], within_s: float | None) -> int:
     """Send every buffer, in order, with as few `sendmsg` calls as the kernel allows (one when it takes all);
-    returns the bytes sent. The buffers are `encode`'s: bytes and one-dimensional byte views, so `len` is
-    their size."""
-    total = sum(map(len, buffers))
+    returns the bytes sent."""
+    total = sum(memoryview(buffer).nbytes for buffer in buffers)
     if len(buffers) <= 512:  # the usual case, in one call: the kernel takes the whole frame
         try:
             sent = sock.sendmsg(buffers, [], socket.MSG_NOSIGNAL)
