@@ -36,12 +36,11 @@ def leaky_checkpoint(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_a_raising_recomputed_forward_raises_its_error_and_leaves_no_hooks_pushed(leaky_checkpoint: list[int]
                                                                                     ) -> None:
     x = torch.randn(3, 4, requires_grad=True)
-    with pytest.raises(RuntimeError, match="boom in forward") as caught:
-        recompute.run_forward(Raising(), x, recompute=True)
-    assert caught.value is not None  # the error lives on, as a failed pipeline step keeps it
+    with pytest.raises(RuntimeError, match="boom in forward") as caught:  # `caught` keeps the error alive, as a
+        recompute.run_forward(Raising(), x, recompute=True)                # failed pipeline step keeps its error
     leaky_checkpoint.clear()
     (x * x).sum().backward()  # mul saves its inputs: into the failed frame's hooks, were they still pushed
-    assert leaky_checkpoint == []
+    assert leaky_checkpoint == [], caught.value
 
 
 def test_a_recomputed_forward_that_raises_in_backward_still_raises_there() -> None:
